@@ -1,0 +1,1 @@
+"""Async RL for LLMs."""

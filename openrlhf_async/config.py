@@ -1,0 +1,275 @@
+"""One typed config for a run, built from OpenRLHF-style dotted flags and validated once at start."""
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A bad flag, file or field; the message is one line naming it and the fix."""
+
+
+@dataclass
+class ActorConfig:
+    model_name_or_path: str = ""  # empty: build the embedded tiny model
+    num_nodes: int = 1
+    num_gpus_per_node: int = 2  # DeepSpeed ranks per node (CPU processes on a CPU machine)
+    eps_clip: float = 0.2
+    adam_lr: float = 1e-3
+    adam_betas: tuple = (0.9, 0.95)
+    adam_weight_decay: float = 0.0
+    max_norm: float = 1.0
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+
+@dataclass
+class VLLMConfig:
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    sync_backend: str = ""  # empty: nccl on cuda, gloo on cpu
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: int = 1
+    max_num_seqs: int = 256
+    max_concurrency: int = 256  # requests in flight per engine (the actor's asyncio semaphore)
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 16  # prompts per training step
+    n_samples_per_prompt: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 60
+    micro_batch_size: int = 64  # samples per forward/backward on one rank
+    seed: int = 42
+    weight_sync_bucket_mb: int = 64
+
+
+@dataclass
+class DataConfig:
+    prompt_dataset: str = ""  # empty: write and use the built-in arithmetic task
+    input_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = True
+    max_len: int = 256  # prompt + response tokens
+    max_samples: int = 100_000_000
+
+
+@dataclass
+class EvalConfig:
+    dataset: str = ""  # empty: the built-in task's held-out split
+    steps: int = 10  # evaluate every this many steps (and at start and end)
+    max_samples: int = 200
+
+
+@dataclass
+class AlgoConfig:
+    advantage_estimator: str = "group_norm"  # GRPO
+    advantage_no_std_norm: bool = False
+
+
+@dataclass
+class DSConfig:
+    zero_stage: int = 3
+    param_dtype: str = ""  # empty: fp32 on cpu, bf16 on cuda
+
+
+@dataclass
+class CkptConfig:
+    output_dir: str = ""  # empty: <run dir>/final_hf
+
+
+@dataclass
+class Config:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    device: str = ""  # cpu | cuda; empty: auto-detect (env DEVICE overrides)
+    run_name: str = "demo"
+    runs_dir: str = "runs"
+    cache_dir: str = ""  # where the embedded model is built; empty: ~/.cache/openrlhf_async
+    progress: bool = True
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.runs_dir, self.run_name)
+
+    @property
+    def backend(self) -> str:
+        return self.vllm.sync_backend or ("nccl" if self.device == "cuda" else "gloo")
+
+    @property
+    def dtype(self) -> str:
+        return self.ds.param_dtype or ("bf16" if self.device == "cuda" else "fp32")
+
+
+# Flags whose dotted name in OpenRLHF 0.11 differs from "<section>.<field>".
+_FLAG_NAMES = {
+    "actor.adam_lr": "actor.adam.lr",
+    "actor.adam_betas": "actor.adam.betas",
+    "actor.adam_weight_decay": "actor.adam.weight_decay",
+    "algo.advantage_estimator": "algo.advantage.estimator",
+    "algo.advantage_no_std_norm": "algo.advantage.no_std_norm",
+}
+
+_HELP = {
+    "actor.model_name_or_path": "HF model folder; empty builds the embedded tiny model",
+    "actor.num_gpus_per_node": "DeepSpeed ranks per node (CPU processes when device is cpu)",
+    "vllm.sync_backend": "weight-sync group backend: nccl or gloo (default: by device)",
+    "vllm.max_concurrency": "requests in flight per engine (asyncio semaphore)",
+    "rollout.batch_size": "prompts per training step",
+    "train.max_steps": "training steps (each: rollout, update, weight sync)",
+    "data.prompt_dataset": "JSONL or Parquet file of prompts; empty uses the built-in arithmetic task",
+    "eval.dataset": "held-out JSONL/Parquet; empty uses the built-in task's eval split",
+    "eval.steps": "evaluate every N steps, plus at start and end",
+    "algo.advantage.estimator": "group_norm (GRPO), dr_grpo or reinforce_baseline",
+    "device": "cpu or cuda (default: cuda if available; env DEVICE overrides)",
+}
+
+
+def _walk(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, type) and dataclasses.is_dataclass(f.type)):
+            yield from _walk(f.type, name + ".")
+        else:
+            yield name, f
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m openrlhf_async.cli.train_async",
+        description="Asynchronous agentic RL with verifiable rewards (OpenRLHF-compatible flags).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, f in _walk(Config):
+        flag = "--" + _FLAG_NAMES.get(name, name)
+        default = _default(f)
+        help_text = _HELP.get(_FLAG_NAMES.get(name, name), " ")
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, dest=name, type=type(default[0]), nargs=len(default), default=default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=type(default), default=default, help=help_text)
+    return parser
+
+
+def parse_config(argv=None) -> Config:
+    args = vars(build_parser().parse_args(argv))
+    cfg = Config()
+    for name, value in args.items():
+        obj = cfg
+        *path, leaf = name.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, leaf, tuple(value) if isinstance(value, list) else value)
+    return cfg
+
+
+def resolve_device(requested: str) -> str:
+    device = requested or os.environ.get("DEVICE", "")
+    if not device:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def validate(cfg: Config) -> Config:
+    """Check every setting before any actor starts; raise ConfigError naming the flag and the fix."""
+    cfg.device = resolve_device(cfg.device)
+    if cfg.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {cfg.device!r}: use cpu or cuda")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    positive = {
+        "vllm.num_engines": cfg.vllm.num_engines,
+        "vllm.tensor_parallel_size": cfg.vllm.tensor_parallel_size,
+        "vllm.max_concurrency": cfg.vllm.max_concurrency,
+        "actor.num_nodes": cfg.actor.num_nodes,
+        "actor.num_gpus_per_node": cfg.actor.num_gpus_per_node,
+        "rollout.batch_size": cfg.rollout.batch_size,
+        "rollout.n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+        "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "train.max_steps": cfg.train.max_steps,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.weight_sync_bucket_mb": cfg.train.weight_sync_bucket_mb,
+        "data.max_len": cfg.data.max_len,
+        "data.max_samples": cfg.data.max_samples,
+        "eval.steps": cfg.eval.steps,
+        "eval.max_samples": cfg.eval.max_samples,
+    }
+    for flag, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"--{flag} {value}: must be at least 1")
+    if cfg.rollout.max_new_tokens >= cfg.data.max_len:
+        raise ConfigError(
+            f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens} must be below --data.max_len {cfg.data.max_len}"
+        )
+    if not cfg.rollout.temperature > 0:
+        raise ConfigError(f"--rollout.temperature {cfg.rollout.temperature}: must be above 0")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"--rollout.top_p {cfg.rollout.top_p}: must be in (0, 1]")
+    if not cfg.actor.adam_lr > 0:
+        raise ConfigError(f"--actor.adam.lr {cfg.actor.adam_lr}: must be above 0")
+    if not cfg.actor.eps_clip > 0:
+        raise ConfigError(f"--actor.eps_clip {cfg.actor.eps_clip}: must be above 0")
+    if cfg.algo.advantage_estimator not in ("group_norm", "dr_grpo", "reinforce_baseline"):
+        raise ConfigError(
+            f"--algo.advantage.estimator {cfg.algo.advantage_estimator!r}: use group_norm, dr_grpo or reinforce_baseline"
+        )
+    if cfg.algo.advantage_estimator in ("group_norm", "dr_grpo") and cfg.rollout.n_samples_per_prompt < 2:
+        raise ConfigError("--rollout.n_samples_per_prompt must be at least 2 for group advantages")
+    if cfg.ds.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--ds.zero_stage {cfg.ds.zero_stage}: use 0, 1, 2 or 3")
+    if cfg.dtype not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--ds.param_dtype {cfg.ds.param_dtype!r}: use fp32, bf16 or fp16")
+    if cfg.backend not in ("gloo", "nccl"):
+        raise ConfigError(f"--vllm.sync_backend {cfg.backend!r}: use gloo or nccl")
+    if cfg.backend == "nccl" and cfg.device != "cuda":
+        raise ConfigError("--vllm.sync_backend nccl needs --device cuda; use gloo on cpu")
+    if cfg.actor.model_name_or_path and not os.path.isdir(cfg.actor.model_name_or_path):
+        raise ConfigError(
+            f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: no such model folder "
+            "(give a local HF model folder, or leave it empty for the embedded tiny model)"
+        )
+    if cfg.actor.model_name_or_path and not os.path.isfile(os.path.join(cfg.actor.model_name_or_path, "config.json")):
+        raise ConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: folder has no config.json")
+    if not cfg.run_name or os.sep in cfg.run_name:
+        raise ConfigError(f"--run_name {cfg.run_name!r}: give a plain folder name")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def default_cache_dir(cfg: Optional[Config] = None) -> str:
+    if cfg is not None and cfg.cache_dir:
+        return cfg.cache_dir
+    return os.environ.get("OPENRLHF_ASYNC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "openrlhf_async"))

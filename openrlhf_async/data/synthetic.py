@@ -1,0 +1,90 @@
+"""Built-in arithmetic task: small integer sums/differences with exact answers.
+
+Rows use the same schema as real datasets: ``{"prompt": <user text>, "label": <answer>}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+
+DEFAULT_OPS = "+-"
+# Two-digit first operand, one-digit second: fixed-width prompts and a single carry/borrow keep
+# the task learnable by a 2-layer char-level model within a short warm start.
+DEFAULT_A_RANGE = (10, 99)
+DEFAULT_B_RANGE = (0, 9)
+HELDOUT_MOD = 10  # ~1/10 of all questions form the held-out pool
+
+
+def _question(a: int, op: str, b: int) -> tuple[str, str]:
+    value = a + b if op == "+" else a - b
+    return f"{a}{op}{b}=", str(value)
+
+
+def _all_questions(a_range, b_range, ops: str) -> list[tuple[str, str]]:
+    out = []
+    for op in ops:
+        for a in range(a_range[0], a_range[1] + 1):
+            for b in range(b_range[0], b_range[1] + 1):
+                if op == "-" and b > a:  # keep answers non-negative
+                    continue
+                out.append(_question(a, op, b))
+    return out
+
+
+def _is_heldout(prompt: str) -> bool:
+    # Decided by the question text alone, so the held-out pool never depends on the seed:
+    # the warm start and RL can use any seed without touching eval questions.
+    return zlib.crc32(prompt.encode()) % HELDOUT_MOD == 0
+
+
+def make_arithmetic_rows(
+    n: int,
+    seed: int,
+    split: str = "train",
+    a_range: tuple[int, int] = DEFAULT_A_RANGE,
+    b_range: tuple[int, int] = DEFAULT_B_RANGE,
+    ops: str = DEFAULT_OPS,
+) -> list[dict]:
+    """``n`` distinct questions from the ``split`` ("train" or "eval") pool, shuffled by ``seed``."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r}")
+    want_heldout = split == "eval"
+    pool = [q for q in _all_questions(a_range, b_range, ops) if _is_heldout(q[0]) == want_heldout]
+    if n > len(pool):
+        raise ValueError(f"asked for {n} {split} rows but only {len(pool)} exist")
+    rng = random.Random(seed)
+    return [{"prompt": p, "label": a} for p, a in rng.sample(pool, n)]
+
+
+def train_pool(
+    a_range: tuple[int, int] = DEFAULT_A_RANGE, b_range: tuple[int, int] = DEFAULT_B_RANGE, ops: str = DEFAULT_OPS
+) -> list[dict]:
+    """Every non-held-out question, in a fixed order."""
+    return [{"prompt": p, "label": a} for p, a in _all_questions(a_range, b_range, ops) if not _is_heldout(p)]
+
+
+def write_arithmetic_dataset(
+    out_dir: str,
+    n_train: int = 4000,
+    n_eval: int = 200,
+    seed: int = 0,
+    a_range: tuple[int, int] = DEFAULT_A_RANGE,
+    b_range: tuple[int, int] = DEFAULT_B_RANGE,
+    ops: str = DEFAULT_OPS,
+) -> tuple[str, str]:
+    """Write ``train.jsonl`` / ``eval.jsonl`` (disjoint question sets) and return their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        rows = make_arithmetic_rows(n, seed, split, a_range, b_range, ops)
+        path = os.path.join(out_dir, f"{split}.jsonl")
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths[0], paths[1]

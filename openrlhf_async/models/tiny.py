@@ -1,0 +1,178 @@
+"""Embedded tiny Qwen2 model + character tokenizer, warm-started on the arithmetic task.
+
+Built locally from a fixed seed (no hub download) and cached on disk; loadable by HF and vLLM.
+Only torch / transformers / tokenizers are imported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from openrlhf_async.data.synthetic import (
+    DEFAULT_A_RANGE,
+    DEFAULT_B_RANGE,
+    DEFAULT_OPS,
+    train_pool,
+)
+
+PAD, EOS, UNK, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|unk|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]
+CHARS = [chr(i) for i in range(32, 127)]  # printable ASCII, one token per character
+
+# One token opens each turn, so "12+34=" templates to 8 tokens.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS +
+    "{% else %}" + USER + "{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+# Bump when the build recipe changes so stale caches are not reused.
+BUILD_VERSION = 1
+
+DEFAULT_SETTINGS = dict(
+    num_layers=2,
+    intermediate_size=512,
+    seed=0,
+    warm_steps=500,
+    warm_batch=64,
+    warm_lr=2e-3,
+    a_range=list(DEFAULT_A_RANGE),
+    b_range=list(DEFAULT_B_RANGE),
+    ops=DEFAULT_OPS,
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    # BPE with no merges and no pre-tokenizer = pure character split; Fuse joins chars back on decode.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=[USER, ASSISTANT],
+        padding_side="left",
+        model_max_length=256,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_config(tokenizer: PreTrainedTokenizerFast, num_layers: int, intermediate_size: int) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # head_dim 64: vLLM-CPU rejects smaller head sizes
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def prompt_text(tokenizer, prompt: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def _sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-padded batch whose loss covers only the answer + eos."""
+    seqs, masks = [], []
+    for row in rows:
+        p = tokenizer.encode(prompt_text(tokenizer, row["prompt"]))
+        c = tokenizer.encode(row["label"]) + [tokenizer.eos_token_id]
+        seqs.append(p + c)
+        masks.append([0] * len(p) + [1] * len(c))
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        labels[i, : len(s)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(s), -100)
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def warm_start(model, tokenizer, rows: list[dict], steps: int, batch: int, lr: float, seed: int) -> None:
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    model.train()
+    for _ in range(steps):
+        loss = model(**_sft_batch(tokenizer, rng.sample(rows, batch))).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+
+
+def _settings_dir(cache_dir: str, settings: dict) -> str:
+    key = json.dumps({"version": BUILD_VERSION, **settings}, sort_keys=True)
+    return os.path.join(cache_dir, "tiny-qwen2-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+
+
+def _is_complete(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def build_tiny_model(cache_dir: str, **settings) -> str:
+    """Build (or reuse from ``cache_dir``) the warm-started tiny model; return its folder."""
+    unknown = set(settings) - set(DEFAULT_SETTINGS)
+    if unknown:
+        raise TypeError(f"unknown settings: {sorted(unknown)}")
+    s = {**DEFAULT_SETTINGS, **settings}
+    final = _settings_dir(cache_dir, s)
+    if _is_complete(final):
+        return final
+
+    os.makedirs(cache_dir, exist_ok=True)
+    t0 = time.time()
+    torch.manual_seed(s["seed"])
+    tokenizer = build_tokenizer()
+    model = Qwen2ForCausalLM(build_config(tokenizer, s["num_layers"], s["intermediate_size"])).float()
+    if s["warm_steps"] > 0:
+        # Warm start only on the train pool: eval questions are held out by construction.
+        rows = train_pool(s["a_range"], s["b_range"], s["ops"])
+        warm_start(model, tokenizer, rows, s["warm_steps"], s["warm_batch"], s["warm_lr"], s["seed"])
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+
+    tmp = tempfile.mkdtemp(prefix=".tmp-tiny-", dir=cache_dir)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "build_info.json"), "w") as f:
+            json.dump({"settings": s, "version": BUILD_VERSION, "build_seconds": round(time.time() - t0, 1)}, f)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):  # lost a race only counts if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

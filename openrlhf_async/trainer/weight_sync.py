@@ -1,0 +1,50 @@
+"""Weight sync: trainer rank 0 broadcasts the policy, bucket by bucket, to every vLLM worker over one
+stateless process group (NCCL on GPU, gloo on CPU); the engines then tag new tokens with the new version."""
+
+import time
+
+import torch
+
+
+def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
+    """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
+    buckets, current, size = [], [], 0
+    for name, dtype, shape in named_shapes:
+        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        for s in shape:
+            nbytes *= s
+        if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, dtype, tuple(shape)))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class WeightSync:
+    def __init__(self, policy, engines: list, cfg):
+        import ray
+
+        self.policy, self.engines = policy, engines
+        rank0 = policy.actors[0]
+        self.buckets = plan_buckets(ray.get(rank0.named_shapes.remote()), cfg.train.weight_sync_bucket_mb << 20)
+        host, port = ray.get(rank0.weight_sync_address.remote())
+        tp = cfg.vllm.tensor_parallel_size
+        world = 1 + len(engines) * tp
+        # Every member must join at once: the rendezvous blocks until the whole group is there.
+        ray.get([rank0.init_weight_sync_group.remote(host, port, world, cfg.backend)] + [
+            e.init_weight_sync_group.remote(host, port, 1 + i * tp, world, cfg.backend) for i, e in enumerate(engines)
+        ])
+        self.version = 0
+
+    def sync(self) -> float:
+        """Broadcast the current policy to every engine; returns the seconds it took."""
+        import ray
+
+        start = time.perf_counter()
+        self.version += 1
+        ray.get(self.policy.call("broadcast_weights", self.buckets)
+                + [e.receive_weights.remote(self.buckets, self.version) for e in self.engines])
+        return time.perf_counter() - start

