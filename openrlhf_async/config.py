@@ -137,7 +137,7 @@ _HELP = {
     "rollout.batch_size": "prompts per training step",
     "train.max_steps": "training steps (each: rollout, update, weight sync)",
     "data.prompt_dataset": "JSONL or Parquet file of prompts; empty uses the built-in arithmetic task",
-    "eval.dataset": "held-out JSONL/Parquet; empty uses the built-in task's eval split",
+    "eval.dataset": "held-out JSONL/Parquet; empty: the built-in task's eval split, or no eval with --data.prompt_dataset",
     "eval.steps": "evaluate every N steps, plus at start and end",
     "algo.advantage.estimator": "group_norm (GRPO), dr_grpo or reinforce_baseline",
     "device": "cpu or cuda (default: cuda if available; env DEVICE overrides)",
@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m openrlhf_async.cli.train_async",
         description="Asynchronous agentic RL with verifiable rewards (OpenRLHF-compatible flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a mistyped flag must fail, not silently match a longer one
     )
     for name, f in _walk(Config):
         flag = "--" + _FLAG_NAMES.get(name, name)

@@ -11,17 +11,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
+    from openrlhf_async.config import default_cache_dir
     from openrlhf_async.models.tiny import build_tiny_model
 
-    # A short warm start is enough for plumbing tests; the demo's model is the full recipe.
-    return build_tiny_model(str(tmp_path_factory.mktemp("model_cache")), warm_steps=30)
+    # The demo's own model, shared with `make demo` through the cache: warm enough that rewards vary in a group.
+    return build_tiny_model(default_cache_dir())
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

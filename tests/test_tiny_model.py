@@ -1,5 +1,6 @@
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -9,8 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from openrlhf_async.data.synthetic import make_arithmetic_rows, write_arithmetic_dataset
-from openrlhf_async.models.tiny import build_tiny_model, prompt_text
+from openrlhf_async.data.synthetic import (
+    carry_slip_answer,
+    make_arithmetic_rows,
+    split_size,
+    write_arithmetic_dataset,
+)
+from openrlhf_async.models.tiny import _teacher_rows, build_tiny_model, prompt_text
 
 SMALL = dict(warm_steps=40)  # enough to make greedy outputs non-degenerate, fast to build
 PROMPTS = ["12+3=", "57-8=", "90+9=", "33-0="]
@@ -73,6 +79,31 @@ def test_dataset_splits(tmp_path):
     assert open(train_path).read() + open(eval_path).read() == before
 
 
+def test_dataset_defaults_use_whole_splits(tmp_path):
+    train_path, eval_path = write_arithmetic_dataset(str(tmp_path))
+    train = [json.loads(line) for line in open(train_path)]
+    evals = [json.loads(line) for line in open(eval_path)]
+    assert len(train) == split_size("train") and len(evals) == split_size("eval")
+    assert 150 <= len(evals) <= 220 and len(train) + len(evals) == 1800
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+
+
+def test_carry_slip_teacher():
+    assert carry_slip_answer("57+8=") == "55"  # forgot the carry (right: 65)
+    assert carry_slip_answer("52-8=") == "54"  # forgot the borrow (right: 44)
+    assert carry_slip_answer("95+7=") == "92"
+    assert carry_slip_answer("12+3=") is None and carry_slip_answer("33-0=") is None
+    rows = make_arithmetic_rows(1000, seed=0)
+    carry = [r for r in rows if carry_slip_answer(r["prompt"]) is not None]
+    assert 0.35 < len(carry) / len(rows) < 0.55
+    noisy = _teacher_rows(carry, 0.65, random.Random(0))
+    slipped = sum(n["label"] != r["label"] for n, r in zip(noisy, carry)) / len(carry)
+    assert 0.55 < slipped < 0.75
+    assert all(r["label"] == str(eval(r["prompt"][:-1])) for r in carry)  # source rows stay correct
+    easy = [r for r in rows if carry_slip_answer(r["prompt"]) is None]
+    assert _teacher_rows(easy, 1.0, random.Random(0)) == easy
+
+
 def test_cache_reuses_folder(model_dir):
     cache_dir = os.path.dirname(model_dir)
     mtime = os.path.getmtime(os.path.join(model_dir, "model.safetensors"))
@@ -81,6 +112,9 @@ def test_cache_reuses_folder(model_dir):
     assert time.time() - t0 < 1.0
     assert os.path.getmtime(os.path.join(model_dir, "model.safetensors")) == mtime
     assert build_tiny_model(cache_dir, warm_steps=0) != model_dir  # settings are part of the key
+    assert build_tiny_model(cache_dir, warm_steps=0, teacher_carry_error=0.0) != build_tiny_model(
+        cache_dir, warm_steps=0
+    )
     assert not [d for d in os.listdir(cache_dir) if d.startswith(".tmp")]
 
 

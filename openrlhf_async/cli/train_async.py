@@ -11,16 +11,17 @@ def prepare(cfg):
     from openrlhf_async.data.prompts import load_prompts
 
     validate(cfg)
-    if not cfg.data.prompt_dataset or not cfg.eval.dataset:
+    if not cfg.data.prompt_dataset:
         from openrlhf_async.data.synthetic import write_arithmetic_dataset
 
-        train_path, eval_path = write_arithmetic_dataset(os.path.join(cfg.run_dir, "data"), seed=cfg.train.seed)
-        cfg.data.prompt_dataset = cfg.data.prompt_dataset or train_path
+        cfg.data.prompt_dataset, eval_path = write_arithmetic_dataset(os.path.join(cfg.run_dir, "data"))
         cfg.eval.dataset = cfg.eval.dataset or eval_path
     train_rows = load_prompts(cfg.data.prompt_dataset, cfg.data.input_key, cfg.data.label_key,
                               "--data.prompt_dataset", cfg.data.max_samples)
-    eval_rows = load_prompts(cfg.eval.dataset, cfg.data.input_key, cfg.data.label_key, "--eval.dataset",
-                             cfg.eval.max_samples)
+    eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
+    if cfg.eval.dataset:
+        eval_rows = load_prompts(cfg.eval.dataset, cfg.data.input_key, cfg.data.label_key, "--eval.dataset",
+                                 cfg.eval.max_samples)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
         json.dump(to_dict(cfg), f, indent=2)
@@ -49,8 +50,7 @@ def main(argv=None) -> int:
     from openrlhf_async.utils.ray_utils import root_cause
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}} if "RAY_ADDRESS" not in os.environ else None)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     try:
         summary = train(cfg, model_path, train_rows, eval_rows)
     except KeyboardInterrupt:
@@ -61,9 +61,10 @@ def main(argv=None) -> int:
         return 1
     finally:
         ray.shutdown()
-    print(f"eval accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f} "
-          f"after {summary['steps']} steps in {summary['wall_s']:.0f} s; metrics in {cfg.run_dir}/metrics.jsonl, "
-          f"model in {summary['checkpoint']}")
+    accuracy = ("no eval set" if summary["eval_accuracy_start"] is None else
+                f"eval accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f}")
+    print(f"{accuracy} after {summary['steps']} steps in {summary['wall_s']:.0f} s; "
+          f"metrics in {cfg.run_dir}/metrics.jsonl, model in {summary['checkpoint']}")
     return 0
 
 

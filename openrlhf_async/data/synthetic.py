@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import zlib
 
 DEFAULT_OPS = "+-"
@@ -32,6 +33,24 @@ def _all_questions(a_range, b_range, ops: str) -> list[tuple[str, str]]:
                     continue
                 out.append(_question(a, op, b))
     return out
+
+
+def carry_slip_answer(prompt: str) -> str | None:
+    """The answer a solver that forgets every carry/borrow would give, or None if none is needed.
+
+    Each digit is added/subtracted mod 10 with nothing carried: "57+8=" -> "55", "52-8=" -> "54".
+    """
+    m = re.fullmatch(r"(\d+)([+-])(\d+)=", prompt)
+    if m is None:
+        return None
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    sign = 1 if op == "+" else -1
+    slip, place = 0, 1
+    while a // place or b // place:
+        slip += ((a // place % 10 + sign * (b // place % 10)) % 10) * place
+        place *= 10
+    right = a + sign * b
+    return str(slip) if slip != right else None
 
 
 def _is_heldout(prompt: str) -> bool:
@@ -59,6 +78,14 @@ def make_arithmetic_rows(
     return [{"prompt": p, "label": a} for p, a in rng.sample(pool, n)]
 
 
+def split_size(
+    split: str, a_range=DEFAULT_A_RANGE, b_range=DEFAULT_B_RANGE, ops: str = DEFAULT_OPS
+) -> int:
+    """How many distinct questions the ``split`` pool holds."""
+    want_heldout = split == "eval"
+    return sum(_is_heldout(p) == want_heldout for p, _ in _all_questions(a_range, b_range, ops))
+
+
 def train_pool(
     a_range: tuple[int, int] = DEFAULT_A_RANGE, b_range: tuple[int, int] = DEFAULT_B_RANGE, ops: str = DEFAULT_OPS
 ) -> list[dict]:
@@ -68,17 +95,22 @@ def train_pool(
 
 def write_arithmetic_dataset(
     out_dir: str,
-    n_train: int = 4000,
-    n_eval: int = 200,
+    n_train: int | None = None,
+    n_eval: int | None = None,
     seed: int = 0,
     a_range: tuple[int, int] = DEFAULT_A_RANGE,
     b_range: tuple[int, int] = DEFAULT_B_RANGE,
     ops: str = DEFAULT_OPS,
 ) -> tuple[str, str]:
-    """Write ``train.jsonl`` / ``eval.jsonl`` (disjoint question sets) and return their paths."""
+    """Write ``train.jsonl`` / ``eval.jsonl`` (disjoint question sets) and return their paths.
+
+    ``n_train`` / ``n_eval`` default to every question of that split (~1620 / ~180 with default ranges).
+    """
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for split, n in (("train", n_train), ("eval", n_eval)):
+        if n is None:
+            n = split_size(split, a_range, b_range, ops)
         rows = make_arithmetic_rows(n, seed, split, a_range, b_range, ops)
         path = os.path.join(out_dir, f"{split}.jsonl")
         tmp = f"{path}.tmp{os.getpid()}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -22,6 +23,7 @@ from openrlhf_async.data.synthetic import (
     DEFAULT_A_RANGE,
     DEFAULT_B_RANGE,
     DEFAULT_OPS,
+    carry_slip_answer,
     train_pool,
 )
 
@@ -39,7 +41,7 @@ CHAT_TEMPLATE = (
 )
 
 # Bump when the build recipe changes so stale caches are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 DEFAULT_SETTINGS = dict(
     num_layers=2,
@@ -48,6 +50,9 @@ DEFAULT_SETTINGS = dict(
     warm_steps=500,
     warm_batch=64,
     warm_lr=2e-3,
+    # Warm-start teacher forgets carries/borrows this often (labels stay correct): the student then
+    # samples the right carry answer sometimes but greedy prefers the slip, leaving GRPO room to gain.
+    teacher_carry_error=0.65,
     a_range=list(DEFAULT_A_RANGE),
     b_range=list(DEFAULT_B_RANGE),
     ops=DEFAULT_OPS,
@@ -115,13 +120,36 @@ def _sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": attn, "labels": labels}
 
 
-def warm_start(model, tokenizer, rows: list[dict], steps: int, batch: int, lr: float, seed: int) -> None:
+def _teacher_rows(rows: list[dict], carry_error: float, rng: random.Random) -> list[dict]:
+    """Warm-start targets from a teacher that forgets the carry/borrow with probability ``carry_error``."""
+    if carry_error <= 0:
+        return rows
+    out = []
+    for row in rows:
+        slip = carry_slip_answer(row["prompt"])
+        if slip is not None and rng.random() < carry_error:
+            row = {**row, "label": slip}
+        out.append(row)
+    return out
+
+
+def _warm_lr_factor(step: int, steps: int, warmup: int = 20) -> float:
+    """Linear warm-up, then cosine decay to 0 so the final checkpoint is not a noisy mid-descent one."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def warm_start(
+    model, tokenizer, rows: list[dict], steps: int, batch: int, lr: float, seed: int, carry_error: float = 0.0
+) -> None:
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _warm_lr_factor(s, steps))
     model.train()
     for _ in range(steps):
-        loss = model(**_sft_batch(tokenizer, rng.sample(rows, batch))).loss
+        # Fresh teacher coin flips every step: the student learns a *distribution* over right/slipped answers.
+        loss = model(**_sft_batch(tokenizer, _teacher_rows(rng.sample(rows, batch), carry_error, rng))).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -157,7 +185,10 @@ def build_tiny_model(cache_dir: str, **settings) -> str:
     if s["warm_steps"] > 0:
         # Warm start only on the train pool: eval questions are held out by construction.
         rows = train_pool(s["a_range"], s["b_range"], s["ops"])
-        warm_start(model, tokenizer, rows, s["warm_steps"], s["warm_batch"], s["warm_lr"], s["seed"])
+        warm_start(
+            model, tokenizer, rows, s["warm_steps"], s["warm_batch"], s["warm_lr"], s["seed"],
+            carry_error=s["teacher_carry_error"],
+        )
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )

@@ -7,6 +7,8 @@ import asyncio
 import os
 import time
 
+from openrlhf_async.utils.ray_utils import get_all
+
 
 class LLMRayActorAsync:
     def __init__(self, model_path: str, engine_index: int, *, max_model_len: int, dtype: str, seed: int,
@@ -149,5 +151,5 @@ def create_engines(cfg, model_path: str, wait: bool = True) -> list:
             )
         )
     if wait:
-        ray.get([e.ready.remote() for e in engines])
+        get_all([e.ready.remote() for e in engines])
     return engines

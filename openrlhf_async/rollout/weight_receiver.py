@@ -37,6 +37,10 @@ class WeightReceiver:
         self.reload_weights(weights_iterator=stream())
         self._retie_word_embeddings()
 
+    def read_weight(self, name: str) -> list:
+        """A parameter as vLLM holds it (tests compare it with the trainer's)."""
+        return dict(self.model_runner.model.named_parameters())[name].detach().float().cpu().tolist()
+
     def _retie_word_embeddings(self):
         # A tied lm_head gets no weights of its own in a reload, so nothing refreshes the copy the head's kernel
         # was prepared from (vLLM-CPU packs it after loading): re-tie it and prepare it again.

@@ -8,6 +8,7 @@ import socket
 import torch
 
 from openrlhf_async.trainer.losses import clipped_policy_loss, token_logprobs
+from openrlhf_async.utils.ray_utils import get_all
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -199,7 +200,7 @@ class PolicyGroup:
                 rank, world, master_addr, master_port, model_path, **kwargs)
             for rank in range(world)
         ]
-        ray.get([a.ready.remote() for a in self.actors])
+        get_all([a.ready.remote() for a in self.actors])
 
     def shard(self, samples: list) -> list:
         return [samples[r :: len(self.actors)] for r in range(len(self.actors))]
@@ -209,12 +210,10 @@ class PolicyGroup:
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
     def train_step(self, samples: list, micro_batch_size: int, eps_clip: float, temperature: float) -> dict:
-        import ray
-
         global_tokens = max(1, sum(len(s["response_ids"]) for s in samples))
         shards = self.shard(samples)
         num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
-        results = ray.get([
+        results = get_all([
             a.train_step.remote(shard, global_tokens, num_micro, eps_clip, temperature)
             for a, shard in zip(self.actors, shards)
         ])

@@ -10,6 +10,7 @@ import torch
 from openrlhf_async.data.prompts import PromptSampler
 from openrlhf_async.rollout.controller import generate_groups
 from openrlhf_async.trainer.losses import group_advantages
+from openrlhf_async.utils.ray_utils import get_all
 
 
 def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool) -> list:
@@ -24,7 +25,10 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool) -> list:
     return out
 
 
-def evaluate(engines: list, eval_prompts: list, max_new_tokens: int) -> float:
+def evaluate(engines: list, eval_prompts: list, max_new_tokens: int):
+    """Greedy accuracy on the held-out prompts (None without an eval set)."""
+    if not eval_prompts:
+        return None
     greedy = {"temperature": 0.0, "max_tokens": max_new_tokens}
     groups = generate_groups(engines, eval_prompts, 1, greedy)
     return sum(g[0]["reward"] for g in groups) / len(groups)
@@ -51,7 +55,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
 
     engines = create_engines(cfg, model_path, wait=False)
     policy = PolicyGroup(cfg, model_path)
-    ray.get([e.ready.remote() for e in engines])
+    get_all([e.ready.remote() for e in engines])
     weight_sync = WeightSync(policy, engines, cfg)
     log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress)
     sampler = PromptSampler(train_prompts, cfg.train.seed)
@@ -60,7 +64,8 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
     n = cfg.rollout.n_samples_per_prompt
 
     accuracy_start = evaluate(engines, eval_prompts, cfg.rollout.max_new_tokens)
-    log.log({"step": 0, "eval/accuracy": accuracy_start, "weight_version": 0})
+    if accuracy_start is not None:
+        log.log({"step": 0, "eval/accuracy": accuracy_start, "weight_version": 0})
     accuracy = accuracy_start
     setup_s = time.perf_counter() - start
     try:
@@ -77,6 +82,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
             stats = policy.train_step(samples, cfg.train.micro_batch_size, cfg.actor.eps_clip, cfg.rollout.temperature)
             t2 = time.perf_counter()
             sync_s = weight_sync.sync()
+            engine_versions = get_all([e.get_weight_version.remote() for e in engines])
             tokens = sum(len(s["response_ids"]) for s in samples)
             metrics = {
                 "step": step,
@@ -91,8 +97,9 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
                 "timing/train_s": t2 - t1,
                 "timing/sync_s": sync_s,
                 "weight_version": weight_sync.version,
+                "engine_weight_version": min(engine_versions),
             }
-            if step % cfg.eval.steps == 0 or step == cfg.train.max_steps:
+            if eval_prompts and (step % cfg.eval.steps == 0 or step == cfg.train.max_steps):
                 t3 = time.perf_counter()
                 accuracy = evaluate(engines, eval_prompts, cfg.rollout.max_new_tokens)
                 metrics["eval/accuracy"] = accuracy
@@ -102,7 +109,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
         log.close()
 
     output_dir = cfg.ckpt.output_dir or os.path.join(cfg.run_dir, "final_hf")
-    ray.get(policy.call("save_hf", output_dir))
+    get_all(policy.call("save_hf", output_dir))
     summary = {
         "eval_accuracy_start": accuracy_start,
         "eval_accuracy_end": accuracy,

