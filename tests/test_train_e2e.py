@@ -45,3 +45,38 @@ def test_cli_trains_syncs_and_saves(tmp_path, tiny_model_path):
     assert set(saved) == set(initial)
     assert any((saved[k] - initial[k]).abs().max() > 0 for k in initial), "training did not change the weights"
     assert os.path.isfile(os.path.join(summary["checkpoint"], "tokenizer.json"))
+
+
+def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_path):
+    import time
+
+    import psutil
+
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", tiny_model_path,
+           "--vllm.num_engines", "1", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
+           "--train.max_steps", "1000", "--eval.steps", "1000", "--eval.max_samples", "8",
+           "--runs_dir", str(runs), "--run_name", "fault", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    metrics = runs / "fault" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 2 for l in metrics.read_text().splitlines()):
+            break
+        time.sleep(1)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    # The rank actors of this run's own Ray cluster are descendants of the command.
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    ranks = [p for p in descendants if "PolicyActor" in " ".join(p.cmdline())]
+    engine_procs = [p for p in descendants if "VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline())]
+    assert ranks and engine_procs
+    killed_at = time.time()
+    ranks[-1].kill()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert time.time() - killed_at < 60, "the run took too long to stop"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and "Actor" in last, err[-2000:]
+    _, alive = psutil.wait_procs(engine_procs, timeout=30)
+    assert not alive, f"orphaned engine processes: {[p.cmdline() for p in alive]}"
