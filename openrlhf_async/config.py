@@ -17,7 +17,7 @@ class ActorConfig:
     num_nodes: int = 1
     num_gpus_per_node: int = 2  # DeepSpeed ranks per node (CPU processes on a CPU machine)
     eps_clip: float = 0.2
-    adam_lr: float = 1e-3
+    adam_lr: float = 3e-4
     adam_betas: tuple = (0.9, 0.95)
     adam_weight_decay: float = 0.0
     max_norm: float = 1.0
@@ -41,16 +41,16 @@ class VLLMConfig:
 
 @dataclass
 class RolloutConfig:
-    batch_size: int = 16  # prompts per training step
+    batch_size: int = 32  # prompts per training step
     n_samples_per_prompt: int = 8
-    max_new_tokens: int = 16
+    max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 60
+    max_steps: int = 100
     micro_batch_size: int = 64  # samples per forward/backward on one rank
     seed: int = 42
     weight_sync_bucket_mb: int = 64
@@ -70,7 +70,7 @@ class DataConfig:
 class EvalConfig:
     dataset: str = ""  # empty: the built-in task's held-out split
     steps: int = 10  # evaluate every this many steps (and at start and end)
-    max_samples: int = 200
+    max_samples: int = 500
 
 
 @dataclass

@@ -47,12 +47,12 @@ DEFAULT_SETTINGS = dict(
     num_layers=2,
     intermediate_size=512,
     seed=0,
-    warm_steps=500,
+    warm_steps=1500,
     warm_batch=64,
     warm_lr=2e-3,
     # Warm-start teacher forgets carries/borrows this often (labels stay correct): the student then
     # samples the right carry answer sometimes but greedy prefers the slip, leaving GRPO room to gain.
-    teacher_carry_error=0.65,
+    teacher_carry_error=0.6,
     a_range=list(DEFAULT_A_RANGE),
     b_range=list(DEFAULT_B_RANGE),
     ops=DEFAULT_OPS,

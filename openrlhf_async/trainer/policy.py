@@ -31,8 +31,9 @@ class PolicyActor:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
                  backend: str, zero_stage: int, dtype: str, lr: float, betas: tuple, weight_decay: float,
                  max_norm: float, seed: int):
+        # LOCAL_RANK 0: Ray gives each rank actor its own GPU as device 0 (CUDA_VISIBLE_DEVICES).
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK="0" if backend == "gloo" else str(rank))
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         import deepspeed
         from transformers import AutoModelForCausalLM
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
