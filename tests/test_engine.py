@@ -6,7 +6,7 @@ import ray
 
 from openrlhf_async.trainer.weight_sync import plan_buckets
 
-LONG = {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True}
+LONG = {"temperature": 1.0, "max_tokens": 250, "ignore_eos": True}  # the model's whole length budget
 
 
 def _wait_for_load(engine, expected, timeout=30):
@@ -22,10 +22,12 @@ def test_abort_ends_a_running_request_and_releases_load(engines):
     engine = engines[0]
     ref = engine.generate.remote([3, 20, 21, 4], LONG, "abort-me")
     assert _wait_for_load(engine, 1)
+    ray.get(engine.pause.remote("keep"))  # frozen, so the abort cannot lose a race with the last token
     ray.get(engine.abort.remote(["abort-me"]))
+    ray.get(engine.resume.remote())
     out = ray.get(ref, timeout=30)
     assert out["finish_reason"] == "abort"
-    assert len(out["response_ids"]) < 200 and len(out["logprobs"]) == len(out["response_ids"])
+    assert len(out["response_ids"]) < 250 and len(out["logprobs"]) == len(out["response_ids"])
     assert ray.get(engine.load.remote()) == 0
 
 
@@ -38,7 +40,7 @@ def test_pause_keep_freezes_requests_and_resume_finishes_them(engines):
     assert not ready, "a paused engine kept generating to the end"
     ray.get(engine.resume.remote())
     out = ray.get(ref, timeout=60)
-    assert out["finish_reason"] == "length" and len(out["response_ids"]) == 200
+    assert out["finish_reason"] == "length" and len(out["response_ids"]) == 250
 
 
 def test_group_samples_are_scored_and_complete(engines):
