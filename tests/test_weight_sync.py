@@ -3,15 +3,15 @@
 import ray
 
 from openrlhf_async.data.synthetic import make_arithmetic_rows
+from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
 
 
 def _prompt_ids(model_path, n):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
     rows = make_arithmetic_rows(n, seed=3, split="eval")
-    return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for r in rows]
+    prompts = tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, apply_chat_template=True)
+    return [p["prompt_ids"] for p in prompts]
 
 
 def _greedy(engine, prompts, max_tokens=8):

@@ -59,6 +59,13 @@ def _is_heldout(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % HELDOUT_MOD == 0
 
 
+def _split_pool(split: str, a_range, b_range, ops: str) -> list[tuple[str, str]]:
+    """Every (question, answer) of the split, in a fixed order."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r}")
+    return [q for q in _all_questions(a_range, b_range, ops) if _is_heldout(q[0]) == (split == "eval")]
+
+
 def make_arithmetic_rows(
     n: int,
     seed: int,
@@ -68,10 +75,7 @@ def make_arithmetic_rows(
     ops: str = DEFAULT_OPS,
 ) -> list[dict]:
     """``n`` distinct questions from the ``split`` ("train" or "eval") pool, shuffled by ``seed``."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"unknown split {split!r}")
-    want_heldout = split == "eval"
-    pool = [q for q in _all_questions(a_range, b_range, ops) if _is_heldout(q[0]) == want_heldout]
+    pool = _split_pool(split, a_range, b_range, ops)
     if n > len(pool):
         raise ValueError(f"asked for {n} {split} rows but only {len(pool)} exist")
     rng = random.Random(seed)
@@ -82,15 +86,14 @@ def split_size(
     split: str, a_range=DEFAULT_A_RANGE, b_range=DEFAULT_B_RANGE, ops: str = DEFAULT_OPS
 ) -> int:
     """How many distinct questions the ``split`` pool holds."""
-    want_heldout = split == "eval"
-    return sum(_is_heldout(p) == want_heldout for p, _ in _all_questions(a_range, b_range, ops))
+    return len(_split_pool(split, a_range, b_range, ops))
 
 
 def train_pool(
     a_range: tuple[int, int] = DEFAULT_A_RANGE, b_range: tuple[int, int] = DEFAULT_B_RANGE, ops: str = DEFAULT_OPS
 ) -> list[dict]:
     """Every non-held-out question, in a fixed order."""
-    return [{"prompt": p, "label": a} for p, a in _all_questions(a_range, b_range, ops) if not _is_heldout(p)]
+    return [{"prompt": p, "label": a} for p, a in _split_pool("train", a_range, b_range, ops)]
 
 
 def write_arithmetic_dataset(

@@ -5,7 +5,6 @@ supports abort by request id, pause/resume and receiving weights from the traine
 
 import asyncio
 import os
-import time
 
 from openrlhf_async.utils.ray_utils import get_all
 
@@ -18,7 +17,6 @@ class LLMRayActorAsync:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.engine_index = engine_index
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         args = AsyncEngineArgs(
             model=model_path,
@@ -85,11 +83,7 @@ class LLMRayActorAsync:
             result["reward"] = math_reward(result["text"], label)
             return result
 
-        start = time.perf_counter()
-        samples = await asyncio.gather(*(sample(i) for i in range(n)))
-        for s in samples:
-            s["group_time_s"] = time.perf_counter() - start
-        return samples
+        return list(await asyncio.gather(*(sample(i) for i in range(n))))
 
     async def abort(self, request_ids: list) -> None:
         await self.engine.abort(list(request_ids))
@@ -114,9 +108,6 @@ class LLMRayActorAsync:
         import torch
 
         return torch.as_tensor((await self.engine.collective_rpc("read_weight", args=(name,)))[0])
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
 
 
 def engine_env(cfg) -> dict:

@@ -1,6 +1,8 @@
 """Runs inside each vLLM worker process (vLLM's worker_extension_cls): joins the weight-sync group and loads
 the weights the trainer broadcasts."""
 
+import math
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -10,7 +12,7 @@ def unflatten(buffer: torch.Tensor, bucket: list):
     """Split a flat bucket into (name, tensor) views; bucket is [(name, dtype, shape), ...]."""
     offset = 0
     for name, _, shape in bucket:
-        numel = _numel(shape)
+        numel = math.prod(shape)
         yield name, buffer[offset : offset + numel].view(shape)
         offset += numel
 
@@ -29,7 +31,7 @@ class WeightReceiver:
 
         def stream():
             for bucket in buckets:
-                numel = sum(_numel(shape) for _, _, shape in bucket)
+                numel = sum(math.prod(shape) for _, _, shape in bucket)
                 buffer = torch.empty(numel, dtype=DTYPES[bucket[0][1]], device=self.device)
                 self._weight_sync_group.broadcast(buffer, root=0).wait()
                 yield from unflatten(buffer, bucket)
@@ -51,10 +53,3 @@ class WeightReceiver:
             if head.weight is not embed.weight:
                 head.weight = embed.weight
             head.quant_method.process_weights_after_loading(head)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

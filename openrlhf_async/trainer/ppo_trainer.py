@@ -36,7 +36,6 @@ def evaluate(engines: list, eval_prompts: list, max_new_tokens: int):
 
 def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
     """Run the whole training; returns the summary written to <run dir>/summary.json."""
-    import ray
     from transformers import AutoTokenizer
 
     from openrlhf_async.rollout.engine import create_engines
@@ -82,7 +81,6 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
             stats = policy.train_step(samples, cfg.train.micro_batch_size, cfg.actor.eps_clip, cfg.rollout.temperature)
             t2 = time.perf_counter()
             sync_s = weight_sync.sync()
-            engine_versions = get_all([e.get_weight_version.remote() for e in engines])
             tokens = sum(len(s["response_ids"]) for s in samples)
             metrics = {
                 "step": step,
@@ -97,7 +95,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
                 "timing/train_s": t2 - t1,
                 "timing/sync_s": sync_s,
                 "weight_version": weight_sync.version,
-                "engine_weight_version": min(engine_versions),
+                "engine_weight_version": weight_sync.engine_version,
             }
             if eval_prompts and (step % cfg.eval.steps == 0 or step == cfg.train.max_steps):
                 t3 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Weight sync: trainer rank 0 broadcasts the policy, bucket by bucket, to every vLLM worker over one
 stateless process group (NCCL on GPU, gloo on CPU); the engines then tag new tokens with the new version."""
 
+import math
 import time
 
 import torch
@@ -12,9 +13,7 @@ def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
     """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
     buckets, current, size = [], [], 0
     for name, dtype, shape in named_shapes:
-        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        for s in shape:
-            nbytes *= s
+        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
         if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
             buckets.append(current)
             current, size = [], 0
@@ -40,11 +39,13 @@ class WeightSync:
             e.init_weight_sync_group.remote(host, port, 1 + i * tp, world, cfg.backend) for i, e in enumerate(engines)
         ])
         self.version = 0
+        self.engine_version = 0  # the oldest version any engine reported loading
 
     def sync(self) -> float:
         """Broadcast the current policy to every engine; returns the seconds it took."""
         start = time.perf_counter()
         self.version += 1
-        get_all(self.policy.call("broadcast_weights", self.buckets)
-                + [e.receive_weights.remote(self.buckets, self.version) for e in self.engines])
+        results = get_all(self.policy.call("broadcast_weights", self.buckets)
+                          + [e.receive_weights.remote(self.buckets, self.version) for e in self.engines])
+        self.engine_version = min(results[len(self.policy.actors):])
         return time.perf_counter() - start
