@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     from openrlhf_async.utils.ray_utils import root_cause
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # CPU actors need no device masking
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")  # the run reports its first failure itself
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     try:

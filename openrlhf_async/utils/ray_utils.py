@@ -10,8 +10,29 @@ def get_all(refs: list, timeout_s: float = None) -> list:
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
         if not done:
             raise TimeoutError(f"{len(pending)} Ray tasks did not finish within {timeout_s} s")
-        ray.get(done)  # re-raises the task's error here
+        try:
+            ray.get(done)
+        except ray.exceptions.ActorDiedError:
+            raise
+        except Exception as error:
+            raise _dead_actor_error(pending) or error from None
     return ray.get(list(refs))
+
+
+def _dead_actor_error(pending: list, grace_s: float = 5.0):
+    """When one member of a collective dies, the others fail too, often first (their connection closes): the dead
+    actor is the cause worth reporting, so look for it among the refs still pending."""
+    import ray
+
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorDiedError as died:
+            return died
+        except Exception:
+            pass
+    return None
 
 
 def root_cause(exc: BaseException) -> str:
