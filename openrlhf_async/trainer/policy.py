@@ -19,9 +19,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# On CPU ranks (gloo) ZeRO-3's parameter prefetch and persistent small parameters gave wrong numbers with
-# DeepSpeed 0.19.6 (logits off by ~1 against the same weights, grad norm 1e26): fetch on demand, every time.
-CPU_ZERO_SETTINGS = {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0, "overlap_comm": False}
+class _CompletedWork:
+    """What a synchronous collective hands back where the caller asked for an asynchronous one."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def make_collectives_synchronous() -> None:
+    """Run every torch.distributed collective to completion before it returns, even when asked for async_op.
+
+    DeepSpeed's ZeRO-3 launches several asynchronous collectives and waits on the last one only, relying on NCCL
+    running them in order on one stream. Gloo runs them on a pool of threads, so buffers were read before they were
+    filled: gradients differed from run to run and were sometimes 1e26 or NaN. On CPU ranks nothing overlaps anyway.
+    Must run before deepspeed.init_distributed, which keeps references to some of these functions."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+             "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_reduce_coalesced",
+             "all_to_all_single")
+    for name in names:
+        original = getattr(c10d, name, None)
+        if original is None or getattr(original, "_made_synchronous", False):
+            continue
+
+        def synchronous(*args, _original=original, async_op=False, **kwargs):
+            if async_op and any(c10d._world.pg_coalesce_state.values()):
+                return _original(*args, async_op=True, **kwargs)  # inside a coalescing manager: it waits at exit
+            work = _original(*args, async_op=False, **kwargs)
+            return _CompletedWork() if async_op else work
+
+        synchronous._made_synchronous = True
+        setattr(c10d, name, synchronous)
+        setattr(dist, name, synchronous)
+
 
 # Stands in for a micro batch a rank has no samples for; it has no response tokens, so it adds no gradient.
 EMPTY_SAMPLE = {"prompt_ids": [0, 0], "response_ids": []}
@@ -39,13 +79,15 @@ class PolicyActor:
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         torch.manual_seed(seed)
+        if backend == "gloo":
+            make_collectives_synchronous()
         deepspeed.init_distributed(dist_backend=backend)
         self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": max_norm,
-            "zero_optimization": {"stage": zero_stage, **(CPU_ZERO_SETTINGS if backend == "gloo" else {})},
+            "zero_optimization": {"stage": zero_stage},
             "bf16": {"enabled": dtype == "bf16"},
             "fp16": {"enabled": dtype == "fp16"},
             "zero_allow_untested_optimizer": True,
