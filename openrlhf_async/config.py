@@ -46,6 +46,18 @@ class RolloutConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    max_concurrent_prompts: int = 0  # prompt groups in flight; 0: twice the batch size
+    early_stop: bool = True
+    unbiased_early_stop: bool = False
+
+
+@dataclass
+class AgentConfig:
+    func_path: str = ""  # empty: the built-in single-turn math agent
+    workers: int = 0  # 0: agent steps run in the engine's process; N: in N worker processes per engine
+    max_steps: int = 8
+    step_timeout: float = 30.0
+    max_error_ratio: float = 0.5
 
 
 @dataclass
@@ -77,6 +89,16 @@ class EvalConfig:
 class AlgoConfig:
     advantage_estimator: str = "group_norm"  # GRPO
     advantage_no_std_norm: bool = False
+    dynamic_filtering_enable: bool = True
+    dynamic_filtering_rule: str = "std"  # std: keep groups whose scores vary; mean_range: OpenRLHF's rule
+    dynamic_filtering_std_eps: float = 1e-6
+    dynamic_filtering_range: tuple = (0.0, 1.0)
+
+
+@dataclass
+class RewardConfig:
+    overlong_buffer_len: int = 0  # 0: no overlong shaping
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass
@@ -99,6 +121,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     device: str = ""  # cpu | cuda; empty: auto-detect (env DEVICE overrides)
@@ -110,6 +134,10 @@ class Config:
     @property
     def run_dir(self) -> str:
         return os.path.join(self.runs_dir, self.run_name)
+
+    @property
+    def max_concurrent_prompts(self) -> int:
+        return self.rollout.max_concurrent_prompts or 2 * self.rollout.batch_size
 
     @property
     def backend(self) -> str:
@@ -127,6 +155,7 @@ _FLAG_NAMES = {
     "actor.adam_weight_decay": "actor.adam.weight_decay",
     "algo.advantage_estimator": "algo.advantage.estimator",
     "algo.advantage_no_std_norm": "algo.advantage.no_std_norm",
+    "agent.func_path": "train.agent_func_path",
 }
 
 _HELP = {
@@ -141,6 +170,20 @@ _HELP = {
     "eval.steps": "evaluate every N steps, plus at start and end",
     "algo.advantage.estimator": "group_norm (GRPO), dr_grpo or reinforce_baseline",
     "device": "cpu or cuda (default: cuda if available; env DEVICE overrides)",
+    "train.agent_func_path": "agent .py file: step(state, action, label) or an OpenRLHF AgentExecutor; "
+                             "empty: the built-in single-turn math agent",
+    "agent.workers": "0 runs agent steps in the engine's process; N isolates them in N worker processes per engine",
+    "agent.max_steps": "agent steps (turns) per episode at most",
+    "agent.step_timeout": "seconds one agent step may take; a step over it gives its episode reward 0",
+    "agent.max_error_ratio": "stop the run when more than this share of a batch's episodes failed in the agent",
+    "rollout.max_concurrent_prompts": "prompt groups in flight at once (FIFO); 0: twice --rollout.batch_size",
+    "rollout.early_stop": "stop the rollout once enough valid groups exist: cancel queued groups, abort running ones",
+    "rollout.unbiased_early_stop": "stop only when every group started before the last accepted one has finished",
+    "algo.dynamic_filtering_enable": "keep a group only if its rewards vary (DAPO dynamic sampling)",
+    "algo.dynamic_filtering_rule": "std: reward std above --algo.dynamic_filtering_std_eps; mean_range: mean "
+                                   "strictly inside --algo.dynamic_filtering_range (OpenRLHF's rule)",
+    "reward.overlong_buffer_len": "DAPO overlong shaping: penalise responses within this many tokens of the budget",
+    "reward.overlong_penalty_factor": "DAPO overlong shaping: the penalty at the full budget",
 }
 
 
@@ -224,10 +267,29 @@ def validate(cfg: Config) -> Config:
         "data.max_samples": cfg.data.max_samples,
         "eval.steps": cfg.eval.steps,
         "eval.max_samples": cfg.eval.max_samples,
+        "agent.max_steps": cfg.agent.max_steps,
     }
     for flag, value in positive.items():
         if value < 1:
             raise ConfigError(f"--{flag} {value}: must be at least 1")
+    for flag, value in {"agent.workers": cfg.agent.workers,
+                        "rollout.max_concurrent_prompts": cfg.rollout.max_concurrent_prompts,
+                        "reward.overlong_buffer_len": cfg.reward.overlong_buffer_len,
+                        "reward.overlong_penalty_factor": cfg.reward.overlong_penalty_factor}.items():
+        if value < 0:
+            raise ConfigError(f"--{flag} {value}: must not be negative")
+    if not cfg.agent.step_timeout > 0:
+        raise ConfigError(f"--agent.step_timeout {cfg.agent.step_timeout}: must be above 0 seconds")
+    if not 0 <= cfg.agent.max_error_ratio <= 1:
+        raise ConfigError(f"--agent.max_error_ratio {cfg.agent.max_error_ratio}: must be in [0, 1]")
+    if cfg.algo.dynamic_filtering_rule not in ("std", "mean_range"):
+        raise ConfigError(f"--algo.dynamic_filtering_rule {cfg.algo.dynamic_filtering_rule!r}: use std or mean_range")
+    low, high = cfg.algo.dynamic_filtering_range
+    if not low < high:
+        raise ConfigError(f"--algo.dynamic_filtering_range {low} {high}: the low end must be below the high end")
+    if cfg.reward.overlong_buffer_len >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} must be below "
+                          f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens}")
     if cfg.rollout.max_new_tokens >= cfg.data.max_len:
         raise ConfigError(
             f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens} must be below --data.max_len {cfg.data.max_len}"

@@ -35,6 +35,7 @@ def stack_cfg():
     cfg.device = "cpu"
     cfg.vllm.num_engines = 2
     cfg.actor.num_gpus_per_node = 2
+    cfg.agent.step_timeout = 2.0  # the agent tests' hanging step must time out quickly
     return validate(cfg)
 
 

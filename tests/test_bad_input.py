@@ -23,6 +23,10 @@ def run_cli(tmp_path, *flags):
         (["--rollout.max_new_tokens", "300"], "--rollout.max_new_tokens 300 must be below --data.max_len"),
         (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
         (["--algo.advantage.estimator", "gae"], "--algo.advantage.estimator 'gae'"),
+        (["--agent.step_timeout", "0"], "--agent.step_timeout 0.0: must be above 0"),
+        (["--algo.dynamic_filtering_range", "1", "0"], "--algo.dynamic_filtering_range 1.0 0.0: the low end"),
+        (["--reward.overlong_buffer_len", "8"], "--reward.overlong_buffer_len 8 must be below"),
+        (["--train.agent_func_path", "/no/agent.py"], "--train.agent_func_path /no/agent.py: no such file"),
     ],
 )
 def test_bad_flag_values(tmp_path, capsys, flags, expected):
@@ -59,3 +63,31 @@ def test_help_lists_openrlhf_flag_names():
     for flag in ("--vllm.num_engines", "--rollout.n_samples_per_prompt", "--actor.adam.lr", "--eval.steps",
                  "--algo.advantage.estimator", "--data.prompt_dataset"):
         assert flag in proc.stdout
+
+
+AGENT_FILES = {
+    "broken.py": ("def step(state, action, label) return 1", "does not import (SyntaxError"),
+    "empty.py": ("x = 1\n", "defines neither step nor AgentExecutor"),
+    "two_args.py": ("def step(state, action):\n    return 0, state, True, {}\n", "step takes 2 arguments"),
+    "not_openrlhf.py": ("class AgentExecutor:\n    pass\n", "AgentExecutor must subclass"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AGENT_FILES))
+def test_bad_agent_files_fail_at_start_naming_the_file_and_contract(tmp_path, capsys, name):
+    body, expected = AGENT_FILES[name]
+    path = tmp_path / name
+    path.write_text(body)
+    assert run_cli(tmp_path, "--train.agent_func_path", str(path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--train.agent_func_path {path}" in err and expected in err and len(err.splitlines()) == 1, err
+
+
+def test_a_step_returning_the_wrong_shape_is_reported_as_a_contract_error():
+    from openrlhf_async.agent import AgentStepError, check_step_result
+
+    assert check_step_result((1, "s", True, None)).reward == 1.0
+    for bad, expected in [(1.0, "expected a tuple"), ((None, "s", True, {}), "expected a number"),
+                          ((1.0, 5, True, {}), "next_state of type int")]:
+        with pytest.raises(AgentStepError, match=expected):
+            check_step_result(bad)

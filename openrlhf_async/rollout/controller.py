@@ -1,16 +1,291 @@
-"""Rollout controller: spreads prompt groups over the engines and collects the scored samples."""
+"""The rollout controller: FIFO task creation, a global least-load balancer, the dynamic-sampling filter applied
+to each group as it completes, and early stop (queued groups never start, running ones are aborted in vLLM).
 
+With early stop off it runs the usual dynamic sampling instead: generate a whole wave of prompts, wait for all of
+it, filter, and start another wave until enough groups are valid. Both modes share everything else."""
+
+import asyncio
 import itertools
+import math
+import time
+from types import SimpleNamespace
+from typing import Callable, Optional
 
-from openrlhf_async.utils.ray_utils import get_all
+
+class LoadBalancer:
+    """In-flight episodes per engine. A group goes to the least-loaded engine if it fits under that engine's
+    capacity (a group larger than the capacity still runs alone on an idle engine)."""
+
+    def __init__(self, num_engines: int, capacity: int):
+        self.loads, self.capacity = [0] * num_engines, capacity
+        self._samples = [0] * num_engines  # for the time-averaged load per engine
+        self._events = 0
+
+    def acquire(self, amount: int) -> Optional[int]:
+        engine = min(range(len(self.loads)), key=lambda i: (self.loads[i], i))
+        if self.loads[engine] and self.loads[engine] + amount > self.capacity:
+            return None
+        self.loads[engine] += amount
+        self._sample()
+        return engine
+
+    def release(self, engine: int, amount: int) -> None:
+        self.loads[engine] -= amount
+        if self.loads[engine] < 0:
+            raise AssertionError(f"engine {engine} released more load than it held")
+        self._sample()
+
+    def _sample(self):
+        self._events += 1
+        for i, load in enumerate(self.loads):
+            self._samples[i] += load
+
+    def mean_loads(self) -> list:
+        return [s / max(1, self._events) for s in self._samples]
+
+
+def keep_group(scores: list, rule: str = "std", eps: float = 1e-6, low: float = 0.0, high: float = 1.0) -> bool:
+    """DAPO dynamic sampling: keep a group only if it carries a learning signal."""
+    if rule == "std":
+        mean = sum(scores) / len(scores)
+        return (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5 > eps
+    mean = sum(scores) / len(scores)  # OpenRLHF's rule: the mean strictly inside (low, high)
+    return low + 1e-6 < mean < high - 1e-6
+
+
+def overlong_penalty(length: int, budget: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to budget - buffer, then down linearly to -factor at the budget."""
+    if buffer <= 0 or length <= budget - buffer:
+        return 0.0
+    return -factor * min(1.0, (length - (budget - buffer)) / buffer)
+
+
+class LocalHandle:
+    """Calls an in-process object the way Ray calls an actor: handle.method.remote(...) returns an awaitable.
+    Lets tests and the controller benchmark drive the controller with fake engines."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+        return SimpleNamespace(remote=lambda *args, **kwargs: asyncio.ensure_future(method(*args, **kwargs)))
+
+
+class AgentFailureError(RuntimeError):
+    pass
+
 
 _group_ids = itertools.count()
 
 
-def generate_groups(engines: list, prompts: list, n: int, sampling: dict) -> list:
-    """prompts: [{"prompt_ids", "label"}]. Returns one list of n scored samples per prompt, in prompt order."""
-    refs = [
-        engines[i % len(engines)].generate_group.remote(p["prompt_ids"], p["label"], n, sampling, f"g{next(_group_ids)}")
-        for i, p in enumerate(prompts)
-    ]
-    return get_all(refs)
+class RolloutController:
+    def __init__(self, engines: list, *, n: int, sampling: dict, budget: int, max_concurrent_prompts: int,
+                 capacity_per_engine: int, filter_rule: Optional[str] = "std", filter_eps: float = 1e-6,
+                 filter_range: tuple = (0.0, 1.0), early_stop: bool = True, unbiased: bool = False,
+                 overlong_buffer: int = 0, overlong_factor: float = 1.0, max_error_ratio: float = 1.0,
+                 abort_timeout: float = 60.0, agent_path: str = ""):
+        self.engines, self.n, self.sampling, self.budget = engines, n, sampling, budget
+        self.max_concurrent_prompts, self.capacity = max_concurrent_prompts, capacity_per_engine
+        self.filter_rule, self.filter_eps, self.filter_range = filter_rule, filter_eps, filter_range
+        self.early_stop, self.unbiased = early_stop, unbiased
+        self.overlong_buffer, self.overlong_factor = overlong_buffer, overlong_factor
+        self.max_error_ratio, self.abort_timeout = max_error_ratio, abort_timeout
+        self.agent_path = agent_path  # "": the engines' own agent
+        self.balancer = LoadBalancer(len(engines), capacity_per_engine)
+        self.launch_order: list = []  # group ids in the order they were started (FIFO), for tests
+
+    @classmethod
+    def from_config(cls, cfg, engines: list, **overrides):
+        settings = dict(
+            n=cfg.rollout.n_samples_per_prompt,
+            sampling={"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p},
+            budget=cfg.rollout.max_new_tokens, max_concurrent_prompts=cfg.max_concurrent_prompts,
+            capacity_per_engine=cfg.vllm.max_concurrency,
+            filter_rule=cfg.algo.dynamic_filtering_rule if cfg.algo.dynamic_filtering_enable else None,
+            filter_eps=cfg.algo.dynamic_filtering_std_eps, filter_range=tuple(cfg.algo.dynamic_filtering_range),
+            early_stop=cfg.rollout.early_stop, unbiased=cfg.rollout.unbiased_early_stop,
+            overlong_buffer=cfg.reward.overlong_buffer_len, overlong_factor=cfg.reward.overlong_penalty_factor,
+            max_error_ratio=cfg.agent.max_error_ratio)
+        settings.update(overrides)
+        return cls(engines, **settings)
+
+    def _keep(self, group: list) -> bool:
+        if self.filter_rule is None:
+            return True
+        return keep_group([e["score"] for e in group], self.filter_rule, self.filter_eps, *self.filter_range)
+
+    def run(self, next_prompt: Callable[[], dict], target: int) -> tuple:
+        """Collect `target` valid groups. next_prompt() -> {"prompt_ids", "label"} (and optionally "budget": the
+        group's token budget, or one per sample) is called once per started group, in order. Returns (groups, metrics); each episode carries "reward" (score plus shaping)."""
+        return asyncio.run(self.run_async(next_prompt, target))
+
+    async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:
+        start = time.perf_counter()
+        records, pending = [], {}  # records in start order; pending: task -> record
+        stats = dict.fromkeys(["started", "finished", "accepted", "filtered", "aborted", "failed", "tokens",
+                               "tokens_aborted", "episodes", "agent_errors", "agent_timeouts"], 0)
+        first_error, failure = None, None
+        wave_left = target if not self.early_stop else None  # prompts still to start in the current wave
+
+        def wanted() -> int:
+            """Early stop: groups in flight expected to yield the valid groups still missing, at the valid rate
+            seen so far (optimistic prior: one valid group). Starting more only buys speed with aborted tokens."""
+            if not self.early_stop:
+                return self.max_concurrent_prompts
+            valid = sum(1 for r in finished_order if r["valid"])
+            if self.unbiased and valid >= target:
+                return 0  # the batch will come from groups already started
+            rate = (valid + 1) / (len(finished_order) + 1)
+            return math.ceil(max(0, target - valid) / rate)
+
+        def launch():
+            nonlocal wave_left
+            while (len(pending) < min(self.max_concurrent_prompts, wanted())
+                   and (wave_left is None or wave_left > 0)):
+                engine = self.balancer.acquire(self.n)
+                if engine is None:
+                    return
+                try:
+                    prompt = next_prompt()
+                except BaseException:
+                    self.balancer.release(engine, self.n)
+                    raise
+                group_id = f"g{next(_group_ids)}"
+                ref = self.engines[engine].generate_group.remote(
+                    prompt["prompt_ids"], prompt["label"], self.n, self.sampling, group_id,
+                    prompt.get("budget", self.budget), self.agent_path)
+                record = {"index": len(records), "group_id": group_id, "engine": engine, "group": None,
+                          "valid": None}
+                records.append(record)
+                self.launch_order.append(group_id)
+                pending[asyncio.ensure_future(_awaitable(ref))] = record
+                stats["started"] += 1
+                if wave_left is not None:
+                    wave_left -= 1
+
+        def selected():
+            """The batch, once it is decided; None while it is not."""
+            if self.early_stop and not self.unbiased:
+                valid = [r for r in finished_order if r["valid"]]
+                return valid[:target] if len(valid) >= target else None
+            if self.early_stop:  # unbiased: a prefix of the start order, all finished, with enough valid groups
+                valid = []
+                for r in records:
+                    if r["group"] is None:
+                        return None
+                    if r["valid"]:
+                        valid.append(r)
+                        if len(valid) == target:
+                            return valid
+                return None
+            if pending or wave_left:  # waves: decide only between waves
+                return None
+            valid = [r for r in records if r["valid"]]
+            return valid[:target] if len(valid) >= target else None
+
+        finished_order = []
+        batch = None
+        try:
+            launch()
+            while batch is None and pending:
+                done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    record = pending.pop(task)
+                    self.balancer.release(record["engine"], self.n)
+                    try:
+                        group = task.result()
+                    except Exception as e:  # an engine failed: stop, after cleaning up
+                        stats["failed"] += 1
+                        failure = failure or e
+                        continue
+                    record["group"] = group
+                    stats["finished"] += 1
+                    self._score(group, stats)
+                    for ep in group:
+                        if ep["error"] and first_error is None:
+                            first_error = ep["error"][1]
+                    record["valid"] = self._keep(group)
+                    finished_order.append(record)
+                if failure is not None:
+                    break
+                batch = selected()
+                if batch is None and self.unbiased and self.early_stop:
+                    # Groups started after the target-th valid one can never enter the batch: abort them now.
+                    valid = [r["index"] for r in records if r["valid"]]
+                    if len(valid) >= target:
+                        await self._abort({t: r for t, r in pending.items() if r["index"] > valid[target - 1]},
+                                          pending, stats)
+                if batch is None:
+                    if not self.early_stop and not pending and not wave_left:
+                        wave_left = target  # the wave is done and short of valid groups: start another
+                    launch()
+        finally:
+            await self._abort(dict(pending), pending, stats)
+        if failure is not None:
+            raise failure
+        if batch is None:
+            raise RuntimeError("rollout ended without enough valid groups")
+
+        stats["accepted"] = len(batch)
+        stats["filtered"] = sum(1 for r in records if r["valid"] is False)
+        accepted_tokens = sum(sum(ep["action_mask"]) for r in batch for ep in r["group"])
+        loads = self.balancer.mean_loads()
+        metrics = {
+            "rollout/groups_started": stats["started"],
+            "rollout/groups_finished": stats["finished"],
+            "rollout/groups_accepted": stats["accepted"],
+            "rollout/groups_filtered": stats["filtered"],
+            "rollout/groups_aborted": stats["aborted"],
+            "rollout/tokens_generated": stats["tokens"],
+            "rollout/tokens_accepted": accepted_tokens,
+            "rollout/tokens_aborted": stats["tokens_aborted"],
+            "rollout/wasted_fraction": 1 - accepted_tokens / max(1, stats["tokens"]),
+            "rollout/time_to_batch_s": time.perf_counter() - start,
+            "rollout/engine_load_max": max(loads),
+            "rollout/engine_load_min": min(loads),
+            "rollout/agent_errors": stats["agent_errors"],
+            "rollout/agent_timeouts": stats["agent_timeouts"],
+        }
+        if first_error:
+            metrics["rollout/agent_first_error"] = first_error
+        failed = stats["agent_errors"] + stats["agent_timeouts"]
+        if failed > self.max_error_ratio * max(1, stats["episodes"]):
+            raise AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed in one batch, above "
+                                    f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
+        return [r["group"] for r in batch], metrics
+
+    def _score(self, group: list, stats: dict) -> None:
+        for ep in group:
+            stats["episodes"] += 1
+            stats["tokens"] += sum(ep["action_mask"])
+            if ep["error"]:
+                stats["agent_timeouts" if ep["error"][0] == "timeout" else "agent_errors"] += 1
+            ep["reward"] = ep["score"] + overlong_penalty(len(ep["response_ids"]), self.budget,
+                                                          self.overlong_buffer, self.overlong_factor)
+
+    async def _abort(self, groups: dict, pending: dict, stats: dict) -> None:
+        """Abort these running groups (task -> record), wait for the engines to hand them back, release their
+        load and take them out of pending."""
+        if not groups:
+            return
+        by_engine = {}
+        for record in groups.values():
+            by_engine.setdefault(record["engine"], []).append(record["group_id"])
+        aborts = [_awaitable(self.engines[e].abort_groups.remote(ids)) for e, ids in by_engine.items()]
+        await asyncio.gather(*aborts, return_exceptions=True)
+        done, not_done = await asyncio.wait(list(groups), timeout=self.abort_timeout)
+        for task, record in groups.items():
+            pending.pop(task, None)
+            self.balancer.release(record["engine"], self.n)
+            stats["aborted"] += 1
+            if task in done and task.exception() is None:
+                tokens = sum(sum(ep["action_mask"]) for ep in task.result())
+                stats["tokens"] += tokens
+                stats["tokens_aborted"] += tokens
+            elif task in not_done:
+                task.cancel()
+
+
+async def _awaitable(ref):
+    return await ref

@@ -1,7 +1,7 @@
 """LLMRayActorAsync: one vLLM engine (AsyncLLM) inside a Ray actor.
 
-It generates each prompt's n samples concurrently under an asyncio semaphore, scores them inline, and
-supports abort by request id, pause/resume and receiving weights from the trainer."""
+It runs each prompt's n agent episodes concurrently under an asyncio semaphore, scores them inline, and
+supports abort by request id or by group, pause/resume and receiving weights from the trainer."""
 
 import asyncio
 import os
@@ -12,10 +12,13 @@ from openrlhf_async.utils.ray_utils import get_all
 class LLMRayActorAsync:
     def __init__(self, model_path: str, engine_index: int, *, max_model_len: int, dtype: str, seed: int,
                  tensor_parallel_size: int = 1, enforce_eager: bool = True, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int = 256, max_concurrency: int = 256):
+                 max_num_seqs: int = 256, max_concurrency: int = 256, agent_path: str = "", agent_workers: int = 0,
+                 agent_max_steps: int = 1, agent_step_timeout: float = 30.0):
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from openrlhf_async.agent import load_agent
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         args = AsyncEngineArgs(
@@ -33,9 +36,15 @@ class LLMRayActorAsync:
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
-        self.semaphore = asyncio.Semaphore(max_concurrency)
-        self.in_flight: set = set()
+        # OPENRLHF_ASYNC_NUM_TASKS, as in OpenRLHF, overrides the number of requests in flight per engine.
+        self.semaphore = asyncio.Semaphore(int(os.environ.get("OPENRLHF_ASYNC_NUM_TASKS", max_concurrency)))
+        self.in_flight: dict = {}  # request id -> group id
+        self.groups: dict = {}  # group id -> request ids in flight
+        self.aborted_groups: set = set()
         self.weight_version = 0
+        self.agent_workers = agent_workers
+        self.agents = {"": load_agent(agent_path, agent_workers)}  # path -> agent; "" is the run's own
+        self.agent_max_steps, self.agent_step_timeout = agent_max_steps, agent_step_timeout
 
     def ready(self) -> bool:
         return True
@@ -44,23 +53,45 @@ class LLMRayActorAsync:
         """Requests admitted and not yet finished."""
         return len(self.in_flight)
 
+    def unfinished(self) -> dict:
+        """Requests vLLM itself still tracks, and requests this actor has in flight."""
+        return {"vllm": self.engine.output_processor.get_num_unfinished_requests(), "actor": len(self.in_flight)}
+
     def get_weight_version(self) -> int:
         return self.weight_version
 
-    async def generate(self, prompt_ids: list, sampling: dict, request_id: str) -> dict:
-        """One completion: token ids, per-token logprobs of the sampled tokens, finish reason, weight version."""
-        from vllm import SamplingParams
+    async def _request(self, prompt_ids: list, params, request_id: str, group_id: str = ""):
+        """One vLLM request under the semaphore: (final RequestOutput, weight version it started with).
+        Raises EpisodeAborted if its group was aborted before the request reached vLLM."""
+        from openrlhf_async.rollout.episode import EpisodeAborted
 
-        params = SamplingParams(logprobs=0, **sampling)
         async with self.semaphore:
-            self.in_flight.add(request_id)
+            if group_id in self.aborted_groups:
+                raise EpisodeAborted(request_id)
+            self.in_flight[request_id] = group_id
+            self.groups.setdefault(group_id, set()).add(request_id)
             version = self.weight_version
             try:
                 final = None
                 async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
                     final = out
             finally:
-                self.in_flight.discard(request_id)
+                self.in_flight.pop(request_id, None)
+                self.groups.get(group_id, set()).discard(request_id)
+        return final, version
+
+    async def generate(self, prompt_ids: list, sampling: dict, request_id: str, group_id: str = "") -> dict:
+        """One completion: token ids, per-token logprobs of the sampled tokens, finish reason, weight version."""
+        from vllm import SamplingParams
+
+        from openrlhf_async.rollout.episode import EpisodeAborted
+
+        try:
+            final, version = await self._request(prompt_ids, SamplingParams(logprobs=0, **sampling), request_id,
+                                                 group_id)
+        except EpisodeAborted:
+            return {"request_id": request_id, "prompt_ids": list(prompt_ids), "response_ids": [], "logprobs": [],
+                    "finish_reason": "abort", "weight_version": self.weight_version}
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
         logprobs = [entry[tok].logprob for tok, entry in zip(token_ids, completion.logprobs or [])]
@@ -71,19 +102,54 @@ class LLMRayActorAsync:
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "weight_version": version,
-            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
         }
 
-    async def generate_group(self, prompt_ids: list, label: str, n: int, sampling: dict, group_id: str) -> list:
-        """A prompt's n samples, generated concurrently and scored the moment each finishes."""
-        from openrlhf_async.reward.math_verify_reward import math_reward
+    async def generate_group(self, prompt_ids: list, label, n: int, sampling: dict, group_id: str,
+                             budget, agent_path: str = "") -> list:
+        """A prompt's n agent episodes, run concurrently; each is scored by the agent the moment it ends.
+        budget: response tokens per episode (the model's and the environment's), or a list of n budgets.
+        agent_path: another agent file than the run's own (loaded once, then kept)."""
+        from vllm import SamplingParams
 
-        async def sample(i):
-            result = await self.generate(prompt_ids, sampling, f"{group_id}-{i}")
-            result["reward"] = math_reward(result["text"], label)
-            return result
+        from openrlhf_async.agent import load_agent
+        from openrlhf_async.rollout.episode import run_episode, run_executor_episode
 
-        return list(await asyncio.gather(*(sample(i) for i in range(n))))
+        if agent_path not in self.agents:
+            self.agents[agent_path] = load_agent(agent_path, self.agent_workers)
+        agent = self.agents[agent_path]
+        budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * n
+        self.groups.setdefault(group_id, set())
+        try:
+            if agent.kind == "executor":
+                episodes = [
+                    run_executor_episode(
+                        lambda ids, params, rid: self._request(ids, params, rid, group_id), agent,
+                        self.tokenizer, prompt_ids, label, SamplingParams(logprobs=0, **sampling), budgets[i],
+                        f"{group_id}-{i}")
+                    for i in range(n)
+                ]
+            else:
+                episodes = [
+                    run_episode(lambda ids, smp, rid: self.generate(ids, smp, rid, group_id), agent,
+                                self.tokenizer, prompt_ids, label, sampling, budgets[i], self.agent_max_steps,
+                                self.agent_step_timeout, f"{group_id}-{i}")
+                    for i in range(n)
+                ]
+            return list(await asyncio.gather(*episodes))
+        finally:
+            self.groups.pop(group_id, None)
+            self.aborted_groups.discard(group_id)
+
+    async def abort_groups(self, group_ids: list) -> int:
+        """Stop these groups: no new request starts for them and vLLM aborts those running. Returns how many
+        requests were aborted."""
+        request_ids = []
+        for group_id in group_ids:
+            self.aborted_groups.add(group_id)  # also stops a group whose call has not started yet
+            request_ids += list(self.groups.get(group_id, ()))
+        if request_ids:
+            await self.engine.abort(request_ids)
+        return len(request_ids)
 
     async def abort(self, request_ids: list) -> None:
         await self.engine.abort(list(request_ids))
@@ -139,6 +205,10 @@ def create_engines(cfg, model_path: str, wait: bool = True) -> list:
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                 max_num_seqs=cfg.vllm.max_num_seqs,
                 max_concurrency=cfg.vllm.max_concurrency,
+                agent_path=cfg.agent.func_path,
+                agent_workers=cfg.agent.workers,
+                agent_max_steps=cfg.agent.max_steps,
+                agent_step_timeout=cfg.agent.step_timeout,
             )
         )
     if wait:

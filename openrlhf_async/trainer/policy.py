@@ -121,7 +121,8 @@ class PolicyActor:
             p, r = len(s["prompt_ids"]), len(s["response_ids"])
             ids[i, : p + r] = torch.tensor(s["prompt_ids"] + s["response_ids"])
             attn[i, : p + r] = 1
-            resp[i, p - 1 : p + r - 1] = 1  # target position t predicts token t+1
+            # Target position t predicts token t+1; tokens the environment wrote (action_mask 0) are not trained.
+            resp[i, p - 1 : p + r - 1] = torch.tensor(s.get("action_mask", [1] * r), dtype=torch.float32)
             if "logprobs" in s:
                 old[i, p - 1 : p + r - 1] = torch.tensor(s["logprobs"], dtype=torch.float32)
             adv[i, p - 1 : p + r - 1] = s.get("advantage", 0.0)
@@ -253,7 +254,7 @@ class PolicyGroup:
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
     def train_step(self, samples: list, micro_batch_size: int, eps_clip: float, temperature: float) -> dict:
-        global_tokens = max(1, sum(len(s["response_ids"]) for s in samples))
+        global_tokens = max(1, sum(sum(s.get("action_mask", [1] * len(s["response_ids"]))) for s in samples))
         shards = self.shard(samples)
         num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
         results = get_all([

@@ -8,7 +8,7 @@ import time
 import torch
 
 from openrlhf_async.data.prompts import PromptSampler
-from openrlhf_async.rollout.controller import generate_groups
+from openrlhf_async.rollout.controller import RolloutController
 from openrlhf_async.trainer.losses import group_advantages
 from openrlhf_async.utils.ray_utils import get_all
 
@@ -25,13 +25,14 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool) -> list:
     return out
 
 
-def evaluate(engines: list, eval_prompts: list, max_new_tokens: int):
-    """Greedy accuracy on the held-out prompts (None without an eval set)."""
+def evaluate(cfg, engines: list, eval_prompts: list):
+    """Greedy accuracy (mean agent score, one episode per prompt) on the held-out prompts; None without them."""
     if not eval_prompts:
         return None
-    greedy = {"temperature": 0.0, "max_tokens": max_new_tokens}
-    groups = generate_groups(engines, eval_prompts, 1, greedy)
-    return sum(g[0]["reward"] for g in groups) / len(groups)
+    controller = RolloutController.from_config(cfg, engines, n=1, sampling={"temperature": 0.0}, filter_rule=None,
+                                               early_stop=False, overlong_buffer=0, max_error_ratio=1.0)
+    groups, _ = controller.run(iter(eval_prompts).__next__, len(eval_prompts))
+    return sum(g[0]["score"] for g in groups) / len(groups)
 
 
 def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
@@ -58,11 +59,9 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
     weight_sync = WeightSync(policy, engines, cfg)
     log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress)
     sampler = PromptSampler(train_prompts, cfg.train.seed)
-    sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                "max_tokens": cfg.rollout.max_new_tokens}
-    n = cfg.rollout.n_samples_per_prompt
+    rollout = RolloutController.from_config(cfg, engines)
 
-    accuracy_start = evaluate(engines, eval_prompts, cfg.rollout.max_new_tokens)
+    accuracy_start = evaluate(cfg, engines, eval_prompts)
     if accuracy_start is not None:
         log.log({"step": 0, "eval/accuracy": accuracy_start, "weight_version": 0})
     accuracy = accuracy_start
@@ -70,7 +69,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
     try:
         for step in range(1, cfg.train.max_steps + 1):
             t0 = time.perf_counter()
-            groups = generate_groups(engines, sampler.next_batch(cfg.rollout.batch_size), n, sampling)
+            groups, rollout_metrics = rollout.run(lambda: sampler.next_batch(1)[0], cfg.rollout.batch_size)
             t1 = time.perf_counter()
             rewards = torch.tensor([[s["reward"] for s in g] for g in groups])
             advantages = group_advantages(rewards, cfg.algo.advantage_estimator, cfg.algo.advantage_no_std_norm)
@@ -81,16 +80,16 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
             stats = policy.train_step(samples, cfg.train.micro_batch_size, cfg.actor.eps_clip, cfg.rollout.temperature)
             t2 = time.perf_counter()
             sync_s = weight_sync.sync()
-            tokens = sum(len(s["response_ids"]) for s in samples)
+            tokens = sum(sum(s["action_mask"]) for s in samples)
             metrics = {
                 "step": step,
                 "reward/mean": rewards.mean().item(),
                 "loss": stats["loss"],
                 "clip_ratio": stats["clip_ratio"],
                 "grad_norm": stats["grad_norm"],
-                "rollout/tokens": tokens,
-                "rollout/tokens_per_s": tokens / max(t1 - t0, 1e-9),
+                "rollout/tokens_per_s": rollout_metrics["rollout/tokens_generated"] / max(t1 - t0, 1e-9),
                 "rollout/response_len_mean": tokens / len(samples),
+                **rollout_metrics,
                 "timing/generate_s": t1 - t0,
                 "timing/train_s": t2 - t1,
                 "timing/sync_s": sync_s,
@@ -99,7 +98,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
             }
             if eval_prompts and (step % cfg.eval.steps == 0 or step == cfg.train.max_steps):
                 t3 = time.perf_counter()
-                accuracy = evaluate(engines, eval_prompts, cfg.rollout.max_new_tokens)
+                accuracy = evaluate(cfg, engines, eval_prompts)
                 metrics["eval/accuracy"] = accuracy
                 metrics["timing/eval_s"] = time.perf_counter() - t3
             log.log(metrics)

@@ -1,0 +1,120 @@
+"""Agent episodes, independent of vLLM: generate, step, append the observation, until done or out of budget.
+
+Token in, token out: the model's tokens are kept exactly as generated, with their rollout logprobs; only the
+environment's new observation text is tokenised. `action_mask` marks the tokens the model wrote (1) and the
+observation tokens (0), which the loss ignores."""
+
+import asyncio
+
+
+class EpisodeAborted(Exception):
+    """The episode's group was aborted (early stop) before or while it generated."""
+
+
+def empty_episode(request_id: str, prompt_ids: list) -> dict:
+    return {"request_id": request_id, "prompt_ids": list(prompt_ids), "response_ids": [], "logprobs": [],
+            "action_mask": [], "action_ranges": [], "weight_versions": [], "finish_reason": None, "score": 0.0,
+            "turns": 0, "error": None, "aborted": False, "extra_info": {}}
+
+
+def _append_action(ep: dict, out: dict) -> None:
+    start = len(ep["response_ids"])
+    ep["response_ids"] += out["response_ids"]
+    ep["logprobs"] += out["logprobs"]
+    ep["action_mask"] += [1] * len(out["response_ids"])
+    ep["action_ranges"].append((start, len(ep["response_ids"])))
+    ep["weight_versions"].append(out["weight_version"])
+    ep["finish_reason"] = out["finish_reason"]
+    ep["turns"] += 1
+
+
+async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampling: dict, budget: int,
+                      max_steps: int, step_timeout: float, request_id: str) -> dict:
+    """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "finish_reason", "weight_version"}.
+    budget: response tokens (the model's and the observations') an episode may use in all."""
+    ep = empty_episode(request_id, prompt_ids)
+    state = tokenizer.decode(prompt_ids)
+    while True:
+        remaining = budget - len(ep["response_ids"])
+        if remaining <= 0:
+            ep["finish_reason"] = "length"
+            break
+        out = await generate(ep["prompt_ids"] + ep["response_ids"], {**sampling, "max_tokens": remaining},
+                             f"{request_id}-t{ep['turns']}")
+        _append_action(ep, out)
+        if out["finish_reason"] == "abort":
+            ep["aborted"] = True
+            break
+        action = tokenizer.decode(out["response_ids"], skip_special_tokens=True)
+        try:
+            result = await agent.step(state, action, label, step_timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            ep["error"] = ("timeout", f"agent step timed out after {step_timeout:g} s")
+        except Exception as e:  # the user's code: contain it, count it, keep the run going
+            ep["error"] = ("error", f"{type(e).__name__}: {e}")
+        if ep["error"]:
+            ep["score"] = 0.0
+            break
+        ep["score"] += result.reward
+        ep["extra_info"] = result.extra_info
+        if result.done or ep["turns"] >= max_steps:
+            break
+        prefix = state + action
+        if not result.next_state.startswith(prefix):
+            ep["error"] = ("error", "AgentStepError: next_state must be state + action + observation")
+            ep["score"] = 0.0
+            break
+        observation = tokenizer.encode(result.next_state[len(prefix):], add_special_tokens=False)
+        observation = observation[: budget - len(ep["response_ids"])]
+        ep["response_ids"] += observation
+        ep["logprobs"] += [0.0] * len(observation)
+        ep["action_mask"] += [0] * len(observation)
+        state = result.next_state
+    return ep
+
+
+class EngineAdapter:
+    """What an OpenRLHF AgentExecutor calls `llm_engine`: generate(prompt_token_ids, sampling_params) returning
+    vLLM's RequestOutput, routed through the engine actor's request path (semaphore, load, abort)."""
+
+    def __init__(self, request, request_id: str):
+        self._request, self._request_id, self.calls = request, request_id, []
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs):
+        sampling_params.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
+        output, version = await self._request(list(prompt_token_ids), sampling_params,
+                                              f"{self._request_id}-t{len(self.calls)}")
+        self.calls.append((output.outputs[0].finish_reason, version))
+        if output.outputs[0].finish_reason == "abort":
+            raise EpisodeAborted(self._request_id)
+        return output
+
+
+async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, label, sampling_params,
+                               budget: int, request_id: str) -> dict:
+    """An OpenRLHF 0.11 AgentExecutor episode, converted to this project's episode record."""
+    ep = empty_episode(request_id, prompt_ids)
+    engine = EngineAdapter(request, request_id)
+    prompt = tokenizer.decode(prompt_ids)
+    try:
+        out = await agent.executor.execute(prompt, label, sampling_params, len(prompt_ids) + budget, tokenizer, engine)
+    except EpisodeAborted:
+        ep.update(aborted=True, finish_reason="abort", turns=len(engine.calls))
+        return ep
+    except Exception as e:
+        ep.update(error=("error", f"{type(e).__name__}: {e}"), turns=len(engine.calls))
+        return ep
+    tokens, ranges = list(out["observation_tokens"]), [tuple(r) for r in out["action_ranges"]]
+    start = ranges[0][0] if ranges else len(tokens)
+    logprobs = out.get("rollout_log_probs") or [0.0] * len(tokens)
+    mask = [0] * (len(tokens) - start)
+    for a, b in ranges:
+        mask[a - start : b - start] = [1] * (b - a)
+    reward = out.get("reward")
+    ep.update(prompt_ids=tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
+              action_mask=mask, action_ranges=[(a - start, b - start) for a, b in ranges],
+              weight_versions=[v for _, v in engine.calls], turns=len(engine.calls),
+              finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
+              score=float(reward.item() if hasattr(reward, "item") else (reward or 0.0)),
+              extra_info=dict(out.get("extra_logs") or {}))
+    return ep

