@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cap", type=int, default=512, help="largest length budget")
     parser.add_argument("--flat_fraction", type=float, default=0.4, help="share of groups with equal rewards")
     parser.add_argument("--max_concurrent_prompts", type=int, default=0, help="ours: groups in flight (0: 2 x target)")
+    parser.add_argument("--admission_margin", type=float, default=0.0,
+                        help="ours: extra groups in flight beyond the expected need")
     parser.add_argument("--max_num_seqs", type=int, default=256, help="sequences each engine decodes at once")
     parser.add_argument("--batches", type=int, default=2, help="batches per method (the mean is reported)")
     parser.add_argument("--seed", type=int, default=0)
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     cfg.rollout.max_new_tokens, cfg.rollout.n_samples_per_prompt = args.cap, args.n
     cfg.rollout.batch_size = args.target
     cfg.vllm.max_num_seqs = args.max_num_seqs
+    cfg.rollout.admission_margin = args.admission_margin
     cfg.rollout.max_concurrent_prompts = args.max_concurrent_prompts
     cfg.agent.func_path = os.path.join(HERE, "bernoulli_agent.py")
     validate(cfg)
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
         "wasted_fraction_baseline": round(mean("baseline", "rollout/wasted_fraction"), 3),
         "wasted_fraction_ours": round(mean("ours", "rollout/wasted_fraction"), 3),
         "target": args.target, "n": args.n, "engines": args.engines, "batches": args.batches,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": args.max_num_seqs, "admission_margin": args.admission_margin,
     }))
     return 0
 

@@ -49,6 +49,7 @@ class RolloutConfig:
     max_concurrent_prompts: int = 0  # prompt groups in flight; 0: twice the batch size
     early_stop: bool = True
     unbiased_early_stop: bool = False
+    admission_margin: float = 0.0  # extra groups in flight beyond the expected need (speed for aborted tokens)
 
 
 @dataclass
@@ -178,6 +179,8 @@ _HELP = {
     "agent.max_error_ratio": "stop the run when more than this share of a batch's episodes failed in the agent",
     "rollout.max_concurrent_prompts": "prompt groups in flight at once (FIFO); 0: twice --rollout.batch_size",
     "rollout.early_stop": "stop the rollout once enough valid groups exist: cancel queued groups, abort running ones",
+    "rollout.admission_margin": "start this share more groups than the valid rate says are needed: faster "
+                                "batches, more aborted tokens",
     "rollout.unbiased_early_stop": "stop only when every group started before the last accepted one has finished",
     "algo.dynamic_filtering_enable": "keep a group only if its rewards vary (DAPO dynamic sampling)",
     "algo.dynamic_filtering_rule": "std: reward std above --algo.dynamic_filtering_std_eps; mean_range: mean "
@@ -274,6 +277,7 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"--{flag} {value}: must be at least 1")
     for flag, value in {"agent.workers": cfg.agent.workers,
                         "rollout.max_concurrent_prompts": cfg.rollout.max_concurrent_prompts,
+                        "rollout.admission_margin": cfg.rollout.admission_margin,
                         "reward.overlong_buffer_len": cfg.reward.overlong_buffer_len,
                         "reward.overlong_penalty_factor": cfg.reward.overlong_penalty_factor}.items():
         if value < 0:

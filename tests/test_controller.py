@@ -151,3 +151,12 @@ def test_too_many_agent_failures_stop_the_run_with_the_first_error():
         _controller([FakeEngine()], max_error_ratio=0.5).run(_source(labels), target=2)
     groups, m = _controller([FakeEngine()], max_error_ratio=1.0).run(_source(labels), target=2)
     assert m["rollout/agent_errors"] >= 4 and m["rollout/agent_first_error"] == "ValueError: bad tool call"
+
+
+def test_admission_margin_starts_extra_groups_and_aborts_them():
+    labels = [{"delay": 0.01, "scores": VALID}] * 4 + [{"delay": 30, "scores": VALID}] * 8
+    _, exact = _controller([FakeEngine()], max_concurrent_prompts=16, filter_rule=None).run(_source(labels), 4)
+    _, extra = _controller([FakeEngine()], max_concurrent_prompts=16, filter_rule=None,
+                           admission_margin=1.0).run(_source(labels), 4)
+    assert exact["rollout/groups_started"] == 4 and exact["rollout/groups_aborted"] == 0
+    assert extra["rollout/groups_started"] == 8 and extra["rollout/groups_aborted"] == 4

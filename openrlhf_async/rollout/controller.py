@@ -84,7 +84,7 @@ class RolloutController:
                  capacity_per_engine: int, filter_rule: Optional[str] = "std", filter_eps: float = 1e-6,
                  filter_range: tuple = (0.0, 1.0), early_stop: bool = True, unbiased: bool = False,
                  overlong_buffer: int = 0, overlong_factor: float = 1.0, max_error_ratio: float = 1.0,
-                 abort_timeout: float = 60.0, agent_path: str = ""):
+                 abort_timeout: float = 60.0, agent_path: str = "", admission_margin: float = 0.0):
         self.engines, self.n, self.sampling, self.budget = engines, n, sampling, budget
         self.max_concurrent_prompts, self.capacity = max_concurrent_prompts, capacity_per_engine
         self.filter_rule, self.filter_eps, self.filter_range = filter_rule, filter_eps, filter_range
@@ -92,6 +92,7 @@ class RolloutController:
         self.overlong_buffer, self.overlong_factor = overlong_buffer, overlong_factor
         self.max_error_ratio, self.abort_timeout = max_error_ratio, abort_timeout
         self.agent_path = agent_path  # "": the engines' own agent
+        self.admission_margin = admission_margin
         self.balancer = LoadBalancer(len(engines), capacity_per_engine)
         self.launch_order: list = []  # group ids in the order they were started (FIFO), for tests
 
@@ -105,6 +106,7 @@ class RolloutController:
             filter_rule=cfg.algo.dynamic_filtering_rule if cfg.algo.dynamic_filtering_enable else None,
             filter_eps=cfg.algo.dynamic_filtering_std_eps, filter_range=tuple(cfg.algo.dynamic_filtering_range),
             early_stop=cfg.rollout.early_stop, unbiased=cfg.rollout.unbiased_early_stop,
+            admission_margin=cfg.rollout.admission_margin,
             overlong_buffer=cfg.reward.overlong_buffer_len, overlong_factor=cfg.reward.overlong_penalty_factor,
             max_error_ratio=cfg.agent.max_error_ratio)
         settings.update(overrides)
@@ -137,7 +139,7 @@ class RolloutController:
             if self.unbiased and valid >= target:
                 return 0  # the batch will come from groups already started
             rate = (valid + 1) / (len(finished_order) + 1)
-            return math.ceil(max(0, target - valid) / rate)
+            return math.ceil(max(0, target - valid) / rate * (1 + self.admission_margin))
 
         def launch():
             nonlocal wave_left
