@@ -143,9 +143,7 @@ def _worker_load(path: str):
 
 def _worker_step(state, action, label):
     result = _WORKER_AGENT(state, action, label)
-    if inspect.isawaitable(result):
-        result = asyncio.run(result)
-    return tuple(result) if isinstance(result, list) else result
+    return asyncio.run(result) if inspect.isawaitable(result) else result
 
 
 def load_agent(path: str = "", workers: int = 0):

@@ -46,11 +46,10 @@ class LoadBalancer:
 
 def keep_group(scores: list, rule: str = "std", eps: float = 1e-6, low: float = 0.0, high: float = 1.0) -> bool:
     """DAPO dynamic sampling: keep a group only if it carries a learning signal."""
+    mean = sum(scores) / len(scores)
     if rule == "std":
-        mean = sum(scores) / len(scores)
         return (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5 > eps
-    mean = sum(scores) / len(scores)  # OpenRLHF's rule: the mean strictly inside (low, high)
-    return low + 1e-6 < mean < high - 1e-6
+    return low + 1e-6 < mean < high - 1e-6  # OpenRLHF's rule: the mean strictly inside (low, high)
 
 
 def overlong_penalty(length: int, budget: int, buffer: int, factor: float) -> float:
@@ -94,7 +93,6 @@ class RolloutController:
         self.agent_path = agent_path  # "": the engines' own agent
         self.admission_margin = admission_margin
         self.balancer = LoadBalancer(len(engines), capacity_per_engine)
-        self.launch_order: list = []  # group ids in the order they were started (FIFO), for tests
 
     @classmethod
     def from_config(cls, cfg, engines: list, **overrides):
@@ -119,14 +117,15 @@ class RolloutController:
 
     def run(self, next_prompt: Callable[[], dict], target: int) -> tuple:
         """Collect `target` valid groups. next_prompt() -> {"prompt_ids", "label"} (and optionally "budget": the
-        group's token budget, or one per sample) is called once per started group, in order. Returns (groups, metrics); each episode carries "reward" (score plus shaping)."""
+        group's token budget, or one per sample) is called once per started group, in order.
+        Returns (groups, metrics); each episode carries "reward" (score plus shaping)."""
         return asyncio.run(self.run_async(next_prompt, target))
 
     async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:
         start = time.perf_counter()
         records, pending = [], {}  # records in start order; pending: task -> record
-        stats = dict.fromkeys(["started", "finished", "accepted", "filtered", "aborted", "failed", "tokens",
-                               "tokens_aborted", "episodes", "agent_errors", "agent_timeouts"], 0)
+        stats = dict.fromkeys(["started", "finished", "aborted", "tokens", "tokens_aborted", "episodes",
+                               "agent_errors", "agent_timeouts"], 0)
         first_error, failure = None, None
         wave_left = target if not self.early_stop else None  # prompts still to start in the current wave
 
@@ -160,7 +159,6 @@ class RolloutController:
                 record = {"index": len(records), "group_id": group_id, "engine": engine, "group": None,
                           "valid": None}
                 records.append(record)
-                self.launch_order.append(group_id)
                 pending[asyncio.ensure_future(_awaitable(ref))] = record
                 stats["started"] += 1
                 if wave_left is not None:
@@ -198,7 +196,6 @@ class RolloutController:
                     try:
                         group = task.result()
                     except Exception as e:  # an engine failed: stop, after cleaning up
-                        stats["failed"] += 1
                         failure = failure or e
                         continue
                     record["group"] = group
@@ -229,15 +226,13 @@ class RolloutController:
         if batch is None:
             raise RuntimeError("rollout ended without enough valid groups")
 
-        stats["accepted"] = len(batch)
-        stats["filtered"] = sum(1 for r in records if r["valid"] is False)
         accepted_tokens = sum(sum(ep["action_mask"]) for r in batch for ep in r["group"])
         loads = self.balancer.mean_loads()
         metrics = {
             "rollout/groups_started": stats["started"],
             "rollout/groups_finished": stats["finished"],
-            "rollout/groups_accepted": stats["accepted"],
-            "rollout/groups_filtered": stats["filtered"],
+            "rollout/groups_accepted": len(batch),
+            "rollout/groups_filtered": sum(1 for r in records if r["valid"] is False),
             "rollout/groups_aborted": stats["aborted"],
             "rollout/tokens_generated": stats["tokens"],
             "rollout/tokens_accepted": accepted_tokens,
