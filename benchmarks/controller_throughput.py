@@ -36,7 +36,7 @@ class InstantEngine:
         self.agent, self.turns, self.tokenizer = agent, turns, Tokenizer()
 
     async def _generate(self, prompt_ids, sampling, request_id):
-        return {"response_ids": [7, 7], "logprobs": [-0.5, -0.5], "finish_reason": "stop", "weight_version": 0}
+        return {"response_ids": [7, 7], "logprobs": [-0.5, -0.5], "token_versions": [0, 0], "finish_reason": "stop"}
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=""):
         return list(await asyncio.gather(*(

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -16,7 +17,8 @@ class ActorConfig:
     model_name_or_path: str = ""  # empty: build the embedded tiny model
     num_nodes: int = 1
     num_gpus_per_node: int = 2  # DeepSpeed ranks per node (CPU processes on a CPU machine)
-    eps_clip: float = 0.2
+    eps_clip: float = 0.2  # the low side of the PPO clip range
+    eps_clip_high: float = 0.28  # DAPO clip-higher
     adam_lr: float = 3e-4
     adam_betas: tuple = (0.9, 0.95)
     adam_weight_decay: float = 0.0
@@ -67,6 +69,12 @@ class TrainConfig:
     micro_batch_size: int = 64  # samples per forward/backward on one rank
     seed: int = 42
     weight_sync_bucket_mb: int = 64
+    async_queue_size: int = 1  # batches waiting between generator and trainer (env OPENRLHF_ASYNC_QUEUE_SIZE)
+    max_staleness: int = -1  # versions a trained sample may lag the trainer; -1: what the mode's bounds allow
+    staleness_threshold: float = 0.5  # fully_async: extra share of a sync window the generator may run ahead
+    trigger_parameter_sync_step: int = 1  # fully_async: optimizer steps between weight syncs
+    require_batches: int = 1  # fully_async: batches of --rollout.batch_size groups per optimizer step
+    partial_rollout: bool = False  # fully_async: episodes in flight at a sync continue on the new weights
 
 
 @dataclass
@@ -94,6 +102,10 @@ class AlgoConfig:
     dynamic_filtering_rule: str = "std"  # std: keep groups whose scores vary; mean_range: OpenRLHF's rule
     dynamic_filtering_std_eps: float = 1e-6
     dynamic_filtering_range: tuple = (0.0, 1.0)
+    off_policy_correction: str = "tis"  # tis | icepop | none
+    tis_clamp: float = 2.0  # tis: importance weights above this are truncated
+    icepop_band: tuple = (0.5, 2.0)  # icepop: tokens whose importance weight leaves this band are masked
+    kl_coef: float = 0.0  # k3 KL penalty against the initial (reference) policy; 0: no reference model
 
 
 @dataclass
@@ -126,6 +138,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    mode: str = "sync"  # sync | async | fully_async
     device: str = ""  # cpu | cuda; empty: auto-detect (env DEVICE overrides)
     run_name: str = "demo"
     runs_dir: str = "runs"
@@ -139,6 +152,23 @@ class Config:
     @property
     def max_concurrent_prompts(self) -> int:
         return self.rollout.max_concurrent_prompts or 2 * self.rollout.batch_size
+
+    @property
+    def queue_size(self) -> int:
+        return int(os.environ.get("OPENRLHF_ASYNC_QUEUE_SIZE", self.train.async_queue_size))
+
+    @property
+    def staleness_limit(self) -> int:
+        """The hard bound on a trained sample's staleness in versions."""
+        if self.train.max_staleness >= 0:
+            return self.train.max_staleness
+        if self.mode == "sync":
+            return 0
+        if self.mode == "async":
+            return self.queue_size
+        # The production gate lets a group start up to ceil(threshold) versions before it is trained; one more
+        # for a group carried over from the previous batch. Older ones are dropped and counted.
+        return 1 + math.ceil(self.train.staleness_threshold)
 
     @property
     def backend(self) -> str:
@@ -177,6 +207,24 @@ _HELP = {
     "agent.max_steps": "agent steps (turns) per episode at most",
     "agent.step_timeout": "seconds one agent step may take; a step over it gives its episode reward 0",
     "agent.max_error_ratio": "stop the run when more than this share of a batch's episodes failed in the agent",
+    "mode": "sync (generate, train, sync), async (generation runs up to --train.async_queue_size batches ahead) "
+            "or fully_async (streaming groups under staleness bounds, optional partial rollout)",
+    "actor.eps_clip": "PPO clip range, low side",
+    "actor.eps_clip_high": "PPO clip range, high side (DAPO clip-higher)",
+    "train.async_queue_size": "async: batches the generator may run ahead of the trainer (env "
+                              "OPENRLHF_ASYNC_QUEUE_SIZE overrides)",
+    "train.max_staleness": "hard bound on a trained sample's staleness (trainer version minus the oldest version "
+                           "of its tokens); staler groups are dropped and counted; -1: the mode's own bound",
+    "train.staleness_threshold": "fully_async: share of a sync window the generator may produce beyond it",
+    "train.trigger_parameter_sync_step": "fully_async: optimizer steps between weight syncs",
+    "train.require_batches": "fully_async: batches of --rollout.batch_size groups per optimizer step",
+    "train.partial_rollout": "fully_async: at a sync, freeze episodes in flight and continue them on the new "
+                             "weights instead of letting them finish first",
+    "algo.off_policy_correction": "tis (truncated importance sampling against the rollout logprobs), icepop "
+                                  "(mask tokens outside --algo.icepop_band) or none",
+    "algo.tis_clamp": "tis: the largest importance weight",
+    "algo.icepop_band": "icepop: importance weights outside [low, high] mask their token",
+    "algo.kl_coef": "k3 KL penalty against the initial policy (loads a reference model); 0: none",
     "rollout.max_concurrent_prompts": "prompt groups in flight at once (FIFO); 0: twice --rollout.batch_size",
     "rollout.early_stop": "stop the rollout once enough valid groups exist: cancel queued groups, abort running ones",
     "rollout.admission_margin": "start this share more groups than the valid rate says are needed: faster "
@@ -327,9 +375,50 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.actor.model_name_or_path and not os.path.isfile(os.path.join(cfg.actor.model_name_or_path, "config.json")):
         raise ConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: folder has no config.json")
+    _validate_pipeline(cfg)
     if not cfg.run_name or os.sep in cfg.run_name:
         raise ConfigError(f"--run_name {cfg.run_name!r}: give a plain folder name")
     return cfg
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    t = cfg.train
+    if cfg.mode not in ("sync", "async", "fully_async"):
+        raise ConfigError(f"--mode {cfg.mode!r}: use sync, async or fully_async")
+    if cfg.queue_size < 1:
+        raise ConfigError(f"--train.async_queue_size {cfg.queue_size} (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at "
+                          "least 1")
+    if t.max_staleness < -1:
+        raise ConfigError(f"--train.max_staleness {t.max_staleness}: must be 0 or more (-1: the mode's bound)")
+    if t.staleness_threshold < 0:
+        raise ConfigError(f"--train.staleness_threshold {t.staleness_threshold}: must not be negative")
+    for flag, value in {"train.trigger_parameter_sync_step": t.trigger_parameter_sync_step,
+                        "train.require_batches": t.require_batches}.items():
+        if value < 1:
+            raise ConfigError(f"--{flag} {value}: must be at least 1")
+    if cfg.mode != "fully_async":
+        used = [f for f, on in (("--train.partial_rollout", t.partial_rollout),
+                                ("--train.trigger_parameter_sync_step", t.trigger_parameter_sync_step != 1),
+                                ("--train.require_batches", t.require_batches != 1)) if on]
+        if used:
+            raise ConfigError(f"{', '.join(used)} only apply to --mode fully_async (got --mode {cfg.mode})")
+    if cfg.mode == "sync" and t.max_staleness > 0:
+        raise ConfigError(f"--train.max_staleness {t.max_staleness} contradicts --mode sync, which trains on fresh "
+                          "samples only; use --mode async or fully_async")
+    if cfg.mode == "async" and 0 <= t.max_staleness < cfg.queue_size:
+        raise ConfigError(f"--train.max_staleness {t.max_staleness} is below --train.async_queue_size "
+                          f"{cfg.queue_size}: batches the queue holds would be too stale; raise one or lower the other")
+    if not cfg.actor.eps_clip_high > 0:
+        raise ConfigError(f"--actor.eps_clip_high {cfg.actor.eps_clip_high}: must be above 0")
+    if cfg.algo.off_policy_correction not in ("tis", "icepop", "none"):
+        raise ConfigError(f"--algo.off_policy_correction {cfg.algo.off_policy_correction!r}: use tis, icepop or none")
+    if not cfg.algo.tis_clamp >= 1:
+        raise ConfigError(f"--algo.tis_clamp {cfg.algo.tis_clamp}: must be at least 1")
+    low, high = cfg.algo.icepop_band
+    if not 0 < low < 1 < high:
+        raise ConfigError(f"--algo.icepop_band {low} {high}: need 0 < low < 1 < high")
+    if cfg.algo.kl_coef < 0:
+        raise ConfigError(f"--algo.kl_coef {cfg.algo.kl_coef}: must not be negative")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -166,3 +166,30 @@ def test_admission_margin_starts_extra_groups_and_aborts_them():
                            admission_margin=1.0).run(_source(labels), 4)
     assert exact["rollout/groups_started"] == 4 and exact["rollout/groups_aborted"] == 0
     assert extra["rollout/groups_started"] == 8 and extra["rollout/groups_aborted"] == 4
+
+
+def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
+    engine = FakeEngine()
+    c = _controller([engine], max_concurrent_prompts=8, filter_rule=None, carry_over=True, admission_margin=1.0,
+                    unbiased=True)
+    # Batch 1 fills with two quick groups while two slow ones run; they must finish into batch 2, not be aborted.
+    # (Unbiased, so batch 2 is a prefix of the start order; the biased rule would prefer quicker new groups.)
+    labels = ([{"delay": 0.01, "scores": VALID}] * 2 + [{"delay": 0.2, "scores": VALID, "tokens": 40}] * 2
+              + [{"delay": 0.01, "scores": VALID}] * 20)
+
+    async def two_batches():  # one event loop, so the fake engine's tasks outlive the first batch
+        source = _source(labels)
+        first = await c.run_async(source, target=2)
+        carried = len(c.carried)
+        second = await c.run_async(source, target=2)
+        return first, carried, second
+
+    (g1, m1), carried, (g2, m2) = asyncio.run(two_batches())
+    assert m1["rollout/groups_aborted"] == 0 and carried == m1["rollout/groups_carried_out"] >= 2
+    assert m2["rollout/groups_carried_in"] == carried
+    lengths = [len(g[0]["response_ids"]) for g in g2]
+    assert lengths == [40, 40], "the carried groups must run to the end and come first in the next batch"
+    assert not engine.aborted
+    stats = c.close()
+    assert c.carried == [] and c.balancer.loads == [0] and not engine.running
+    assert stats["aborted"] + len(g1) + len(g2) == m1["rollout/groups_started"] + m2["rollout/groups_started"]

@@ -3,7 +3,7 @@
 import ray
 import torch
 
-from openrlhf_async.trainer.losses import clipped_policy_loss, token_logprobs
+from openrlhf_async.trainer.losses import policy_loss, token_logprobs
 
 
 def _reference_grad_norm(model_path, samples):
@@ -20,8 +20,8 @@ def _reference_grad_norm(model_path, samples):
         mask[0, p - 1 : p + r - 1] = 1
         old = torch.zeros_like(logp)
         old[0, p - 1 : p + r - 1] = torch.tensor(s["logprobs"])
-        loss_sum, _ = clipped_policy_loss(logp, old, mask * s["advantage"], mask, 10.0, 10.0)
-        total = total + loss_sum / global_tokens
+        out = policy_loss(logp, logp.detach(), old, mask * s["advantage"], mask, 0.2, 0.28, "none")
+        total = total + out["loss"] / global_tokens
     total.backward()
     return torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
 
@@ -30,7 +30,7 @@ def test_zero3_gradients_match_a_single_process_reference(ray_cluster, stack_cfg
     # DeepSpeed 0.19.6 waits on only the last of several asynchronous collectives; on gloo that gave a gradient
     # norm of 1e18 on a fresh group's first step, and a different one on every run. The policy makes collectives
     # synchronous on CPU. A fresh group, because the shared one has been through steps that hide the race.
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.policy import PolicyGroup, loss_settings
 
     assert stack_cfg.ds.zero_stage == 3 and stack_cfg.actor.world_size == 2
     policy = PolicyGroup(stack_cfg, tiny_model_path)
@@ -40,7 +40,7 @@ def test_zero3_gradients_match_a_single_process_reference(ray_cluster, stack_cfg
         weights = tiny_model_path
         for micro_batch_size in (64, 2, 1):  # one micro batch, then accumulation over several
             expected = _reference_grad_norm(weights, samples)
-            stats = policy.train_step(samples, micro_batch_size=micro_batch_size, eps_clip=10.0, temperature=1.0)
+            stats = policy.train_step(samples, micro_batch_size, loss_settings(stack_cfg, correction="none"))
             assert abs(stats["grad_norm"] - expected) <= 1e-4 * expected, (micro_batch_size, stats, expected)
             weights = str(tmp_path / f"after-{micro_batch_size}")
             ray.get(policy.call("save_hf", weights))

@@ -83,7 +83,8 @@ class RolloutController:
                  capacity_per_engine: int, filter_rule: Optional[str] = "std", filter_eps: float = 1e-6,
                  filter_range: tuple = (0.0, 1.0), early_stop: bool = True, unbiased: bool = False,
                  overlong_buffer: int = 0, overlong_factor: float = 1.0, max_error_ratio: float = 1.0,
-                 abort_timeout: float = 60.0, agent_path: str = "", admission_margin: float = 0.0):
+                 abort_timeout: float = 60.0, agent_path: str = "", admission_margin: float = 0.0,
+                 carry_over: bool = False, wave_size: int = 0):
         self.engines, self.n, self.sampling, self.budget = engines, n, sampling, budget
         self.max_concurrent_prompts, self.capacity = max_concurrent_prompts, capacity_per_engine
         self.filter_rule, self.filter_eps, self.filter_range = filter_rule, filter_eps, filter_range
@@ -92,6 +93,11 @@ class RolloutController:
         self.max_error_ratio, self.abort_timeout = max_error_ratio, abort_timeout
         self.agent_path = agent_path  # "": the engines' own agent
         self.admission_margin = admission_margin
+        # Carry over: groups still running when a batch is complete keep running and join the next batch
+        # (surplus valid groups too) instead of being aborted. Their tokens may then span weight versions.
+        self.carry_over = carry_over and early_stop
+        self.carried = []  # records of groups started for an earlier batch and not used yet
+        self.wave_size = wave_size  # waves (no early stop): prompts per wave; 0: the batch target. DAPO uses 3x
         self.balancer = LoadBalancer(len(engines), capacity_per_engine)
 
     @classmethod
@@ -127,7 +133,8 @@ class RolloutController:
         stats = dict.fromkeys(["started", "finished", "aborted", "tokens", "tokens_aborted", "episodes",
                                "agent_errors", "agent_timeouts"], 0)
         first_error, failure = None, None
-        wave_left = target if not self.early_stop else None  # prompts still to start in the current wave
+        wave_size = self.wave_size or target
+        wave_left = wave_size if not self.early_stop else None  # prompts still to start in the current wave
 
         def wanted() -> int:
             """Early stop: groups in flight expected to yield the valid groups still missing, at the valid rate
@@ -156,8 +163,8 @@ class RolloutController:
                 ref = self.engines[engine].generate_group.remote(
                     prompt["prompt_ids"], prompt["label"], self.n, self.sampling, group_id,
                     prompt.get("budget", self.budget), self.agent_path)
-                record = {"index": len(records), "group_id": group_id, "engine": engine, "group": None,
-                          "valid": None}
+                record = {"index": len(records), "group_id": group_id, "engine": engine, "ref": ref,
+                          "group": None, "valid": None}
                 records.append(record)
                 pending[asyncio.ensure_future(_awaitable(ref))] = record
                 stats["started"] += 1
@@ -186,8 +193,18 @@ class RolloutController:
 
         finished_order = []
         batch = None
+        carried_in, self.carried = self.carried, []
+        for record in carried_in:  # started earlier, so first in start order
+            record["index"] = len(records)
+            records.append(record)
+            if record["group"] is not None:
+                finished_order.append(record)
+            else:
+                pending[asyncio.ensure_future(_awaitable(record["ref"]))] = record
         try:
-            launch()
+            batch = selected()  # carried-over groups alone may complete it
+            if batch is None:
+                launch()
             while batch is None and pending:
                 done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -209,17 +226,23 @@ class RolloutController:
                 if failure is not None:
                     break
                 batch = selected()
-                if batch is None and self.unbiased and self.early_stop:
-                    # Groups started after the target-th valid one can never enter the batch: abort them now.
+                if batch is None and self.unbiased and self.early_stop and not self.carry_over:
+                    # Groups started after the target-th valid one cannot enter this batch: abort them now
+                    # (with carry over they wait for the next one instead).
                     valid = [r["index"] for r in records if r["valid"]]
                     if len(valid) >= target:
                         await self._abort({t: r for t, r in pending.items() if r["index"] > valid[target - 1]},
                                           pending, stats)
                 if batch is None:
                     if not self.early_stop and not pending and not wave_left:
-                        wave_left = target  # the wave is done and short of valid groups: start another
+                        wave_left = wave_size  # the wave is done and short of valid groups: start another
                     launch()
         finally:
+            if self.carry_over and batch is not None and failure is None:
+                chosen = {id(r) for r in batch}
+                self.carried = [r for r in finished_order if r["valid"] and id(r) not in chosen]
+                self.carried += list(pending.values())
+                pending.clear()
             await self._abort(dict(pending), pending, stats)
         if failure is not None:
             raise failure
@@ -234,6 +257,8 @@ class RolloutController:
             "rollout/groups_accepted": len(batch),
             "rollout/groups_filtered": sum(1 for r in records if r["valid"] is False),
             "rollout/groups_aborted": stats["aborted"],
+            "rollout/groups_carried_in": len(carried_in),
+            "rollout/groups_carried_out": len(self.carried),
             "rollout/tokens_generated": stats["tokens"],
             "rollout/tokens_accepted": accepted_tokens,
             "rollout/tokens_aborted": stats["tokens_aborted"],
@@ -251,6 +276,21 @@ class RolloutController:
             raise AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed in one batch, above "
                                     f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
         return [r["group"] for r in batch], metrics
+
+    def close(self) -> dict:
+        """Drop the groups carried over for a batch that will never be asked for, aborting those still running.
+        Returns counts: groups dropped ("aborted"), their tokens, and the tokens generated meanwhile."""
+        async def abort_all():
+            stats = {"aborted": 0, "tokens": 0, "tokens_aborted": 0}
+            pending = {asyncio.ensure_future(_awaitable(r["ref"])): r for r in self.carried if r["group"] is None}
+            for r in self.carried:  # finished and valid, but never used
+                if r["group"] is not None:
+                    stats["aborted"] += 1
+                    stats["tokens_aborted"] += sum(sum(ep["action_mask"]) for ep in r["group"])
+            self.carried = []
+            await self._abort(dict(pending), pending, stats)
+            return stats
+        return asyncio.run(abort_all())
 
     def _score(self, group: list, stats: dict) -> None:
         for ep in group:

@@ -61,7 +61,9 @@ class LLMRayActorAsync:
         return self.weight_version
 
     async def _request(self, prompt_ids: list, params, request_id: str, group_id: str = ""):
-        """One vLLM request under the semaphore: (final RequestOutput, weight version it started with).
+        """One vLLM request under the semaphore: (final RequestOutput, the weight version of each token).
+        A token's version is the one loaded when its output arrived: weights change only while generation is
+        paused, and pausing delivers the outputs already computed first.
         Raises EpisodeAborted if its group was aborted before the request reached vLLM."""
         from openrlhf_async.rollout.episode import EpisodeAborted
 
@@ -70,28 +72,29 @@ class LLMRayActorAsync:
                 raise EpisodeAborted(request_id)
             self.in_flight[request_id] = group_id
             self.groups.setdefault(group_id, set()).add(request_id)
-            version = self.weight_version
+            versions = []
             try:
                 final = None
                 async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
                     final = out
+                    versions += [self.weight_version] * (len(out.outputs[0].token_ids) - len(versions))
             finally:
                 self.in_flight.pop(request_id, None)
                 self.groups.get(group_id, set()).discard(request_id)
-        return final, version
+        return final, versions
 
     async def generate(self, prompt_ids: list, sampling: dict, request_id: str, group_id: str = "") -> dict:
-        """One completion: token ids, per-token logprobs of the sampled tokens, finish reason, weight version."""
+        """One completion: token ids, per-token logprobs of the sampled tokens and weight versions, finish reason."""
         from vllm import SamplingParams
 
         from openrlhf_async.rollout.episode import EpisodeAborted
 
         try:
-            final, version = await self._request(prompt_ids, SamplingParams(logprobs=0, **sampling), request_id,
-                                                 group_id)
+            final, versions = await self._request(prompt_ids, SamplingParams(logprobs=0, **sampling), request_id,
+                                                  group_id)
         except EpisodeAborted:
             return {"request_id": request_id, "prompt_ids": list(prompt_ids), "response_ids": [], "logprobs": [],
-                    "finish_reason": "abort", "weight_version": self.weight_version}
+                    "token_versions": [], "finish_reason": "abort"}
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
         logprobs = [entry[tok].logprob for tok, entry in zip(token_ids, completion.logprobs or [])]
@@ -100,8 +103,8 @@ class LLMRayActorAsync:
             "prompt_ids": list(prompt_ids),
             "response_ids": token_ids,
             "logprobs": logprobs,
+            "token_versions": versions[: len(token_ids)],
             "finish_reason": completion.finish_reason,
-            "weight_version": version,
         }
 
     async def generate_group(self, prompt_ids: list, label, n: int, sampling: dict, group_id: str,
@@ -163,11 +166,18 @@ class LLMRayActorAsync:
     async def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str):
         await self.engine.collective_rpc("init_weight_sync_group", args=(host, port, rank_offset, world_size, backend))
 
-    async def receive_weights(self, buckets: list, version: int) -> int:
-        """Load weights broadcast by trainer rank 0 (the call blocks until every bucket arrived)."""
-        await self.engine.collective_rpc("receive_weights", args=(buckets,))
-        await self.engine.reset_prefix_cache()
-        self.weight_version = version
+    async def receive_weights(self, buckets: list, version: int, pause_mode: str = "wait") -> int:
+        """Load weights broadcast by trainer rank 0 (the call blocks until every bucket arrived), with generation
+        paused. pause_mode "wait" lets running requests finish on the old weights first; "keep" freezes them
+        (partial rollout): their cached keys and values are dropped, so they continue wholly on the new weights,
+        and the tokens they generate from here on carry the new version."""
+        await self.engine.pause_generation(mode=pause_mode, clear_cache=False)
+        try:
+            await self.engine.collective_rpc("receive_weights", args=(buckets,))
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.weight_version = version
+        finally:
+            await self.engine.resume_generation()
         return version
 
     async def read_weight(self, name: str):

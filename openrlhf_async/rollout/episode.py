@@ -2,7 +2,9 @@
 
 Token in, token out: the model's tokens are kept exactly as generated, with their rollout logprobs; only the
 environment's new observation text is tokenised. `action_mask` marks the tokens the model wrote (1) and the
-observation tokens (0), which the loss ignores."""
+observation tokens (0), which the loss ignores. `token_versions` gives the weight version each response token
+was generated with (an observation token takes the version of the action before it), so an episode that
+outlived a weight sync shows both versions."""
 
 import asyncio
 
@@ -13,7 +15,7 @@ class EpisodeAborted(Exception):
 
 def empty_episode(request_id: str, prompt_ids: list) -> dict:
     return {"request_id": request_id, "prompt_ids": list(prompt_ids), "response_ids": [], "logprobs": [],
-            "action_mask": [], "action_ranges": [], "weight_versions": [], "finish_reason": None, "score": 0.0,
+            "action_mask": [], "action_ranges": [], "token_versions": [], "finish_reason": None, "score": 0.0,
             "turns": 0, "error": None, "aborted": False, "extra_info": {}}
 
 
@@ -23,14 +25,14 @@ def _append_action(ep: dict, out: dict) -> None:
     ep["logprobs"] += out["logprobs"]
     ep["action_mask"] += [1] * len(out["response_ids"])
     ep["action_ranges"].append((start, len(ep["response_ids"])))
-    ep["weight_versions"].append(out["weight_version"])
+    ep["token_versions"] += out["token_versions"]
     ep["finish_reason"] = out["finish_reason"]
     ep["turns"] += 1
 
 
 async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampling: dict, budget: int,
                       max_steps: int, step_timeout: float, request_id: str) -> dict:
-    """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "finish_reason", "weight_version"}.
+    """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "token_versions", "finish_reason"}.
     budget: response tokens (the model's and the observations') an episode may use in all."""
     ep = empty_episode(request_id, prompt_ids)
     state = tokenizer.decode(prompt_ids)
@@ -69,6 +71,7 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
         ep["response_ids"] += observation
         ep["logprobs"] += [0.0] * len(observation)
         ep["action_mask"] += [0] * len(observation)
+        ep["token_versions"] += ep["token_versions"][-1:] * len(observation)
         state = result.next_state
     return ep
 
@@ -82,9 +85,9 @@ class EngineAdapter:
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs):
         sampling_params.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
-        output, version = await self._request(list(prompt_token_ids), sampling_params,
-                                              f"{self._request_id}-t{len(self.calls)}")
-        self.calls.append((output.outputs[0].finish_reason, version))
+        output, versions = await self._request(list(prompt_token_ids), sampling_params,
+                                               f"{self._request_id}-t{len(self.calls)}")
+        self.calls.append((output.outputs[0].finish_reason, versions))
         if output.outputs[0].finish_reason == "abort":
             raise EpisodeAborted(self._request_id)
         return output
@@ -108,12 +111,17 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
     start = ranges[0][0] if ranges else len(tokens)
     logprobs = out.get("rollout_log_probs") or [0.0] * len(tokens)
     mask = [0] * (len(tokens) - start)
-    for a, b in ranges:
+    versions = [0] * (len(tokens) - start)
+    for (a, b), (_, call_versions) in zip(ranges, engine.calls):
         mask[a - start : b - start] = [1] * (b - a)
+        versions[a - start : b - start] = (call_versions + call_versions[-1:] * (b - a))[: b - a]
+    for i in range(1, len(versions)):  # observation tokens take the version of the action before them
+        if not mask[i]:
+            versions[i] = versions[i - 1]
     reward = out.get("reward")
     ep.update(prompt_ids=tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
               action_mask=mask, action_ranges=[(a - start, b - start) for a, b in ranges],
-              weight_versions=[v for _, v in engine.calls], turns=len(engine.calls),
+              token_versions=versions, turns=len(engine.calls),
               finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
               score=float(reward.item() if hasattr(reward, "item") else (reward or 0.0)),
               extra_info=dict(out.get("extra_logs") or {}))

@@ -26,11 +26,43 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def clipped_policy_loss(logp, old_logp, advantages, mask, eps_low: float, eps_high: float):
-    """PPO/GRPO surrogate per token; returns (sum of token losses over the mask, number of clipped tokens)."""
+def importance_weights(old_logp, behaviour_logp, correction: str = "tis", clamp: float = 2.0,
+                       band: tuple = (0.5, 2.0)):
+    """Per-token weight correcting for tokens sampled by the rollout engine (behaviour policy, its logprobs as
+    vLLM returned them) rather than the trainer's policy: w = pi_old / pi_behaviour, then
+    tis: truncated at `clamp`; icepop: kept inside `band` and zero (token masked) outside; none: 1.
+    Returns (weights, tokens truncated or masked)."""
+    w = torch.exp((old_logp - behaviour_logp).detach())
+    if correction == "tis":
+        return w.clamp(max=clamp), w > clamp
+    if correction == "icepop":
+        inside = (w >= band[0]) & (w <= band[1])
+        return torch.where(inside, w, torch.zeros_like(w)), ~inside
+    if correction == "none":
+        return torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+    raise ValueError(f"unknown off-policy correction {correction!r}")
+
+
+def policy_loss(logp, old_logp, behaviour_logp, advantages, mask, eps_low: float, eps_high: float,
+                correction: str = "tis", clamp: float = 2.0, band: tuple = (0.5, 2.0), ref_logp=None,
+                kl_coef: float = 0.0) -> dict:
+    """Token-level DAPO/GRPO loss, summed over the masked tokens (the caller divides by the global token count).
+
+    Decoupled PPO: the ratio pi / pi_old is clipped to [1 - eps_low, 1 + eps_high] (clip-higher), and each token
+    is weighted by the off-policy correction of pi_old against the behaviour policy. With ref_logp and kl_coef,
+    adds the k3 estimate of KL(pi || pi_ref). Returns sums: loss, clipped, corrected (truncated or masked) tokens,
+    importance weight and KL."""
     ratio = torch.exp(logp - old_logp)
     surrogate = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    token_loss = -torch.minimum(surrogate, clipped)
-    clipped_tokens = ((surrogate != clipped) & mask.bool()).sum()
-    return (token_loss * mask).sum(), clipped_tokens
+    weights, corrected = importance_weights(old_logp, behaviour_logp, correction, clamp, band)
+    token_loss = -torch.minimum(surrogate, clipped) * weights
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None and kl_coef > 0:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1
+        token_loss = token_loss + kl_coef * kl
+    m = mask.bool()
+    return {"loss": (token_loss * mask).sum(), "clipped": int(((surrogate != clipped) & m).sum()),
+            "corrected": int((corrected & m).sum()), "weight": float((weights * mask).sum()),
+            "kl": float((kl.detach() * mask).sum())}

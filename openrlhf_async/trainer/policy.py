@@ -1,4 +1,5 @@
-"""The policy: one Ray actor per DeepSpeed rank (ZeRO-3 by default), trained with the clipped GRPO loss.
+"""The policy: one Ray actor per DeepSpeed rank (ZeRO-3 by default), trained with the DAPO/GRPO loss and an
+off-policy correction against the rollout logprobs; optionally a frozen reference model for a KL penalty.
 
 Rank 0 also owns the sender side of the weight-sync group into the vLLM engines."""
 
@@ -7,7 +8,7 @@ import socket
 
 import torch
 
-from openrlhf_async.trainer.losses import clipped_policy_loss, token_logprobs
+from openrlhf_async.trainer.losses import policy_loss, token_logprobs
 from openrlhf_async.utils.ray_utils import get_all
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,7 +71,7 @@ EMPTY_SAMPLE = {"prompt_ids": [0, 0], "response_ids": []}
 class PolicyActor:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
                  backend: str, zero_stage: int, dtype: str, lr: float, betas: tuple, weight_decay: float,
-                 max_norm: float, seed: int):
+                 max_norm: float, seed: int, reference: bool = False):
         # LOCAL_RANK 0: Ray gives each rank actor its own GPU as device 0 (CUDA_VISIBLE_DEVICES).
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
@@ -98,6 +99,10 @@ class PolicyActor:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype])
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.reference = None
+        if reference:  # the initial policy, frozen (partitioned like the policy under ZeRO-3)
+            ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype])
+            self.reference, *_ = deepspeed.initialize(model=ref_model.eval().requires_grad_(False), config=ds_config)
         self.model_path = model_path
         self.sync_group = None
 
@@ -133,30 +138,39 @@ class PolicyActor:
         logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
         return token_logprobs(logits, ids[:, 1:], temperature), logits
 
-    def train_step(self, samples: list, global_tokens: int, num_micro_batches: int, eps_clip: float,
-                   temperature: float) -> dict:
+    def train_step(self, samples: list, global_tokens: int, num_micro_batches: int, loss_cfg: dict) -> dict:
         """One optimizer step over this rank's samples; the loss is a token mean over the global batch.
-        Every rank runs the same number of micro batches: ZeRO-3 gathers parameters collectively per forward."""
+        Every rank runs the same number of micro batches: ZeRO-3 gathers parameters collectively per forward.
+        loss_cfg: eps_low, eps_high, correction, clamp, band, kl_coef, temperature (see losses.policy_loss)."""
         self.engine.train()
-        total_loss, clipped, tokens = 0.0, 0, 0
+        totals = dict.fromkeys(["loss", "clipped", "corrected", "weight", "kl"], 0.0)
+        tokens = 0
         size = -(-len(samples) // num_micro_batches) if samples else 1
         micro_batches = [samples[k * size : (k + 1) * size] or [EMPTY_SAMPLE] for k in range(num_micro_batches)]
         for k, micro in enumerate(micro_batches):
-            ids, attn, mask, old, adv = self._batch(micro)
-            logp, _ = self._logprobs(ids, attn, temperature)
-            loss_sum, n_clipped = clipped_policy_loss(logp, old, adv, mask, eps_clip, eps_clip)
+            ids, attn, mask, behaviour, adv = self._batch(micro)
+            ref_logp = None
+            if self.reference is not None and loss_cfg["kl_coef"] > 0:
+                with torch.no_grad():
+                    ref_logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                    ref_logp = token_logprobs(ref_logits, ids[:, 1:], loss_cfg["temperature"])
+            logp, _ = self._logprobs(ids, attn, loss_cfg["temperature"])
+            # One optimizer step per batch: the proximal policy is the current one (ratio 1, clipping inactive
+            # until several updates share a batch); the off-policy gap to vLLM's sampler is the importance weight.
+            out = policy_loss(logp, logp.detach(), behaviour, adv, mask, loss_cfg["eps_low"], loss_cfg["eps_high"],
+                              loss_cfg["correction"], loss_cfg["clamp"], tuple(loss_cfg["band"]), ref_logp,
+                              loss_cfg["kl_coef"])
             # DeepSpeed averages gradients over ranks, so scale the global token mean back up by world size.
-            loss = loss_sum * self.world_size / global_tokens
+            loss = out["loss"] * self.world_size / global_tokens
             self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
             self.engine.backward(loss, scale_wrt_gas=False)
-            total_loss += loss_sum.item()
-            clipped += int(n_clipped)
+            for key in totals:
+                totals[key] += float(out[key])
             tokens += int(mask.sum())
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
-        return {"loss_sum": total_loss, "clipped_tokens": clipped, "tokens": tokens,
-                "grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
+        return {**totals, "tokens": tokens, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
 
     @torch.no_grad()
     def forward_logprobs(self, samples: list, temperature: float = 1.0) -> list:
@@ -238,7 +252,7 @@ class PolicyGroup:
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))} if cfg.device == "cpu" else {}
         kwargs = dict(backend=cfg.backend, zero_stage=cfg.ds.zero_stage, dtype=cfg.dtype, lr=cfg.actor.adam_lr,
                       betas=cfg.actor.adam_betas, weight_decay=cfg.actor.adam_weight_decay,
-                      max_norm=cfg.actor.max_norm, seed=cfg.train.seed)
+                      max_norm=cfg.actor.max_norm, seed=cfg.train.seed, reference=cfg.algo.kl_coef > 0)
         self.actors = [
             actor_cls.options(**opts, runtime_env={"env_vars": env}).remote(
                 rank, world, master_addr, master_port, model_path, **kwargs)
@@ -253,17 +267,30 @@ class PolicyGroup:
         """Start the same method on every rank; returns the object refs."""
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
-    def train_step(self, samples: list, micro_batch_size: int, eps_clip: float, temperature: float) -> dict:
+    def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
         global_tokens = max(1, sum(sum(s.get("action_mask", [1] * len(s["response_ids"]))) for s in samples))
         shards = self.shard(samples)
         num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
         results = get_all([
-            a.train_step.remote(shard, global_tokens, num_micro, eps_clip, temperature)
-            for a, shard in zip(self.actors, shards)
+            a.train_step.remote(shard, global_tokens, num_micro, loss_cfg) for a, shard in zip(self.actors, shards)
         ])
+        total = {key: sum(r[key] for r in results) for key in ("loss", "clipped", "corrected", "weight", "kl")}
         return {
-            "loss": sum(r["loss_sum"] for r in results) / global_tokens,
-            "clip_ratio": sum(r["clipped_tokens"] for r in results) / global_tokens,
+            "loss": total["loss"] / global_tokens,
+            "clip_ratio": total["clipped"] / global_tokens,
+            "is_weight_mean": total["weight"] / global_tokens,
+            "is_corrected_ratio": total["corrected"] / global_tokens,
+            "kl": total["kl"] / global_tokens,
             "grad_norm": results[0]["grad_norm"],
             "tokens": sum(r["tokens"] for r in results),
         }
+
+
+def loss_settings(cfg, **overrides) -> dict:
+    """The loss settings PolicyGroup.train_step takes, from the run's config."""
+    settings = {"eps_low": cfg.actor.eps_clip, "eps_high": cfg.actor.eps_clip_high,
+                "correction": cfg.algo.off_policy_correction, "clamp": cfg.algo.tis_clamp,
+                "band": tuple(cfg.algo.icepop_band), "kl_coef": cfg.algo.kl_coef,
+                "temperature": cfg.rollout.temperature}
+    settings.update(overrides)
+    return settings

@@ -1,15 +1,11 @@
-"""The training loop: rollout on the vLLM engines, group advantages, a policy update on the DeepSpeed ranks,
-weight sync; greedy evaluation on the held-out split at the start, every eval.steps and at the end."""
+"""Training entry point: prompts tokenised, engines, policy ranks and the weight-sync group started, then the
+pipeline (trainer/pipeline.py) run in the configured mode; greedy evaluation on the held-out split."""
 
 import json
 import os
 import time
 
-import torch
-
-from openrlhf_async.data.prompts import PromptSampler
 from openrlhf_async.rollout.controller import RolloutController
-from openrlhf_async.trainer.losses import group_advantages
 from openrlhf_async.utils.ray_utils import get_all
 
 
@@ -36,10 +32,11 @@ def evaluate(cfg, engines: list, eval_prompts: list):
 
 
 def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
-    """Run the whole training; returns the summary written to <run dir>/summary.json."""
+    """Run the whole training in the configured mode; returns the summary written to <run dir>/summary.json."""
     from transformers import AutoTokenizer
 
     from openrlhf_async.rollout.engine import create_engines
+    from openrlhf_async.trainer.pipeline import PPOTrainerAsync
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
     from openrlhf_async.utils.metrics import MetricsLog
@@ -57,62 +54,28 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
     policy = PolicyGroup(cfg, model_path)
     get_all([e.ready.remote() for e in engines])
     weight_sync = WeightSync(policy, engines, cfg)
-    log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress)
-    sampler = PromptSampler(train_prompts, cfg.train.seed)
-    rollout = RolloutController.from_config(cfg, engines)
-
-    accuracy_start = evaluate(cfg, engines, eval_prompts)
-    if accuracy_start is not None:
-        log.log({"step": 0, "eval/accuracy": accuracy_start, "weight_version": 0})
-    accuracy = accuracy_start
     setup_s = time.perf_counter() - start
+    log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress)
     try:
-        for step in range(1, cfg.train.max_steps + 1):
-            t0 = time.perf_counter()
-            groups, rollout_metrics = rollout.run(lambda: sampler.next_batch(1)[0], cfg.rollout.batch_size)
-            t1 = time.perf_counter()
-            rewards = torch.tensor([[s["reward"] for s in g] for g in groups])
-            advantages = group_advantages(rewards, cfg.algo.advantage_estimator, cfg.algo.advantage_no_std_norm)
-            samples = []
-            for g, adv in zip(groups, advantages):
-                for s, a in zip(g, adv.tolist()):
-                    samples.append({**s, "advantage": a})
-            stats = policy.train_step(samples, cfg.train.micro_batch_size, cfg.actor.eps_clip, cfg.rollout.temperature)
-            t2 = time.perf_counter()
-            sync_s = weight_sync.sync()
-            tokens = sum(sum(s["action_mask"]) for s in samples)
-            metrics = {
-                "step": step,
-                "reward/mean": rewards.mean().item(),
-                "loss": stats["loss"],
-                "clip_ratio": stats["clip_ratio"],
-                "grad_norm": stats["grad_norm"],
-                "rollout/tokens_per_s": rollout_metrics["rollout/tokens_generated"] / max(t1 - t0, 1e-9),
-                "rollout/response_len_mean": tokens / len(samples),
-                **rollout_metrics,
-                "timing/generate_s": t1 - t0,
-                "timing/train_s": t2 - t1,
-                "timing/sync_s": sync_s,
-                "weight_version": weight_sync.version,
-                "engine_weight_version": weight_sync.engine_version,
-            }
-            if eval_prompts and (step % cfg.eval.steps == 0 or step == cfg.train.max_steps):
-                t3 = time.perf_counter()
-                accuracy = evaluate(cfg, engines, eval_prompts)
-                metrics["eval/accuracy"] = accuracy
-                metrics["timing/eval_s"] = time.perf_counter() - t3
-            log.log(metrics)
+        result = PPOTrainerAsync(cfg, engines, policy, weight_sync, train_prompts, eval_prompts).run(log.log)
     finally:
         log.close()
 
     output_dir = cfg.ckpt.output_dir or os.path.join(cfg.run_dir, "final_hf")
     get_all(policy.call("save_hf", output_dir))
     summary = {
-        "eval_accuracy_start": accuracy_start,
-        "eval_accuracy_end": accuracy,
+        "mode": cfg.mode,
+        "eval_accuracy_start": result["eval_accuracy_start"],
+        "eval_accuracy_end": result["eval_accuracy_end"],
         "steps": cfg.train.max_steps,
         "wall_s": round(time.perf_counter() - start, 1),
         "setup_s": round(setup_s, 1),
+        "trainer_idle_ratio": round(result["trainer_idle_ratio"], 3),
+        "generator_idle_ratio": result["generator_idle_ratio"] and round(result["generator_idle_ratio"], 3),
+        "max_staleness": result["max_staleness"],
+        "staleness_limit": cfg.staleness_limit,
+        "stale_samples_trained": result["stale_samples_trained"],
+        "stale_groups_dropped": result["stale_groups_dropped"],
         "checkpoint": output_dir,
     }
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:

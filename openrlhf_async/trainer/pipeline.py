@@ -1,0 +1,269 @@
+"""The training pipeline: a GenerateSamplesActor and a TrainingActor exchanging batches over a bounded
+ray.util.queue.Queue, started and watched by PPOTrainerAsync. One pipeline for every mode (see staleness.py):
+
+- sync: the generator may only produce with the newest weights, so generation, training and sync alternate;
+- async: the generator runs up to --train.async_queue_size batches ahead of the trainer;
+- fully_async: groups stream batch after batch (groups still running when a batch is complete carry over into
+  the next), the trainer syncs every trigger_parameter_sync_step steps, the generator may run a staleness
+  threshold's share of a sync window ahead, and with partial rollout the engines freeze running episodes during
+  a sync and continue them on the new weights.
+
+Every group carries per-token weight versions; groups staler than the limit are dropped and counted, never trained
+on. A failure on either side stops both within seconds and is raised with its cause."""
+
+import threading
+import time
+
+import torch
+
+from openrlhf_async.trainer.staleness import (is_fresh, may_produce, production_window, trained_version,
+                                              version_report)
+from openrlhf_async.utils.ray_utils import get_all
+
+END = "end"  # the generator's last queue item
+_COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts")
+
+
+def _put(queue, item, stopped: threading.Event) -> bool:
+    """Block until the queue takes the item; False if asked to stop meanwhile."""
+    from ray.util.queue import Full
+
+    while not stopped.is_set():
+        try:
+            queue.put(item, timeout=0.5)
+            return True
+        except Full:
+            pass
+    return False
+
+
+def _get(queue, stopped: threading.Event):
+    from ray.util.queue import Empty
+
+    while not stopped.is_set():
+        try:
+            return queue.get(timeout=0.5)
+        except Empty:
+            pass
+    return None
+
+
+class GenerateSamplesActor:
+    """Produces batches of valid groups with the rollout controller, as fast as the staleness bounds allow."""
+
+    def __init__(self, cfg, engines: list, prompts: list, queue):
+        from openrlhf_async.data.prompts import PromptSampler
+        from openrlhf_async.rollout.controller import RolloutController
+
+        self.cfg, self.engines, self.queue = cfg, engines, queue
+        self.controller = RolloutController.from_config(cfg, engines, carry_over=cfg.mode == "fully_async")
+        self.sampler = PromptSampler(prompts, cfg.train.seed)
+        self.window = production_window(cfg.mode, cfg.queue_size, cfg.train.staleness_threshold,
+                                        cfg.train.trigger_parameter_sync_step, cfg.train.require_batches)
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _version(self) -> int:
+        return min(get_all([e.get_weight_version.remote() for e in self.engines]))
+
+    def _batch(self, target_version: int) -> tuple:
+        """batch_size valid groups, none staler than the limit at the version they will be trained at."""
+        size, groups, metrics = self.cfg.rollout.batch_size, [], {}
+        dropped = 0
+        while len(groups) < size:
+            got, m = self.controller.run(lambda: self.sampler.next_batch(1)[0], size - len(groups))
+            fresh = [g for g in got if is_fresh(g, target_version, self.cfg.staleness_limit)]
+            dropped += len(got) - len(fresh)
+            groups += fresh
+            for key, value in m.items():
+                metrics[key] = metrics.get(key, 0) + value if key.startswith(_COUNTERS) else value
+        metrics["rollout/stale_groups_dropped"] = dropped
+        return groups, metrics
+
+    def run(self, num_items: int) -> dict:
+        items_per_sync, slack = self.window
+        start, idle = time.perf_counter(), 0.0
+        base = self._version()  # the engines' version when training starts (0 unless they were synced before)
+        try:
+            for index in range(num_items):
+                t0 = time.perf_counter()
+                while not may_produce(index, self._version() - base, items_per_sync, slack):
+                    if self.stopped.wait(0.02):
+                        return {"items": index, "stopped": True}
+                t1 = time.perf_counter()
+                groups, metrics = self._batch(base + trained_version(index, items_per_sync))
+                idle += t1 - t0
+                metrics["rollouter/idle_ratio"] = idle / max(1e-9, time.perf_counter() - start)
+                metrics["rollouter/gate_wait_s"] = t1 - t0
+                t2 = time.perf_counter()
+                if not _put(self.queue, {"index": index, "groups": groups, "metrics": metrics}, self.stopped):
+                    return {"items": index, "stopped": True}
+                idle += time.perf_counter() - t2
+            _put(self.queue, END, self.stopped)
+            return {"items": num_items, "idle_ratio": idle / max(1e-9, time.perf_counter() - start)}
+        finally:
+            self.controller.close()  # groups still running will never be used
+
+
+class TrainingActor:
+    """Takes batches off the queue, trains on the fresh ones, syncs weights to the engines and evaluates."""
+
+    def __init__(self, cfg, policy, weight_sync, engines: list, queue, metrics_queue, eval_prompts: list,
+                 stand_in_train_s: float = None):
+        self.cfg, self.policy, self.weight_sync, self.engines = cfg, policy, weight_sync, engines
+        self.queue, self.metrics_queue, self.eval_prompts = queue, metrics_queue, eval_prompts
+        self.stand_in_train_s = stand_in_train_s  # benchmarks: a timed stand-in for the optimizer step
+        self.stopped = threading.Event()
+        # Continue from the version the engines hold (tests and benchmarks reuse engines across runs).
+        self.weight_sync.version = min(get_all([e.get_weight_version.remote() for e in engines]))
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _evaluate(self):
+        from openrlhf_async.trainer.ppo_trainer import evaluate
+
+        return evaluate(self.cfg, self.engines, self.eval_prompts)
+
+    def _train(self, groups: list) -> dict:
+        from openrlhf_async.trainer.losses import group_advantages
+        from openrlhf_async.trainer.policy import loss_settings
+
+        if self.stand_in_train_s is not None:
+            time.sleep(self.stand_in_train_s)
+            return {}
+        rewards = torch.tensor([[s["reward"] for s in g] for g in groups])
+        advantages = group_advantages(rewards, self.cfg.algo.advantage_estimator, self.cfg.algo.advantage_no_std_norm)
+        samples = [{**s, "advantage": a} for g, adv in zip(groups, advantages) for s, a in zip(g, adv.tolist())]
+        stats = self.policy.train_step(samples, self.cfg.train.micro_batch_size, loss_settings(self.cfg))
+        tokens = sum(sum(s["action_mask"]) for s in samples)
+        return {"reward/mean": rewards.mean().item(), "rollout/response_len_mean": tokens / len(samples),
+                **{k: stats[k] for k in ("loss", "clip_ratio", "is_weight_mean", "is_corrected_ratio", "kl",
+                                         "grad_norm")}}
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        pause_mode = "keep" if t.partial_rollout else "wait"
+        accuracy = accuracy_start = self._evaluate()
+        if accuracy_start is not None:
+            self.metrics_queue.put({"step": 0, "eval/accuracy": accuracy_start, "weight_version": 0})
+        start, idle, stale_trained, dropped_total, max_staleness = time.perf_counter(), 0.0, 0, 0, 0
+        for step in range(1, t.max_steps + 1):
+            t0 = time.perf_counter()
+            depth = self.queue.qsize()
+            items = []
+            for _ in range(t.require_batches):
+                item = _get(self.queue, self.stopped)
+                if item is None:
+                    return {"stopped": True}
+                if item == END:
+                    raise RuntimeError(f"the generator ended at step {step}, before --train.max_steps {t.max_steps}")
+                items.append(item)
+            t1 = time.perf_counter()
+            version = self.weight_sync.version
+            groups = [g for item in items for g in item["groups"]]
+            fresh = [g for g in groups if is_fresh(g, version, cfg.staleness_limit)]
+            dropped = len(groups) - len(fresh)
+            report = version_report(fresh, version)
+            stats = self._train(fresh) if fresh else {}
+            t2 = time.perf_counter()
+            sync_s = 0.0
+            if step % t.trigger_parameter_sync_step == 0 or step == t.max_steps:
+                sync_s = self.weight_sync.sync(pause_mode)
+            t3 = time.perf_counter()
+            idle += t1 - t0
+            dropped_total += dropped
+            stale_trained += report["staleness/stale_samples"]
+            max_staleness = max(max_staleness, report["staleness/max"])
+            metrics = {"step": step, **stats}
+            for item in items:  # rollout metrics: counters summed over the step's batches, the rest from the last
+                for key, value in item["metrics"].items():
+                    summed = key.startswith(_COUNTERS) or key == "rollout/stale_groups_dropped"
+                    metrics[key] = metrics.get(key, 0) + value if summed and key in metrics else value
+            metrics.update(report)
+            metrics.update({
+                "rollout/tokens_per_s": metrics["rollout/tokens_generated"] / max(1e-9, metrics["rollout/time_to_batch_s"]),
+                "trainer/idle_ratio": (t1 - t0) / max(1e-9, t3 - t0),
+                "trainer/stale_groups_dropped": dropped,
+                "queue/depth": depth,
+                "timing/wait_s": t1 - t0,
+                "timing/generate_s": metrics["rollout/time_to_batch_s"],
+                "timing/train_s": t2 - t1,
+                "timing/sync_s": sync_s,
+                "weight_version": self.weight_sync.version,
+                "engine_weight_version": self.weight_sync.engine_version,
+            })
+            if self.eval_prompts and (step % cfg.eval.steps == 0 or step == t.max_steps):
+                t4 = time.perf_counter()
+                accuracy = self._evaluate()
+                metrics["eval/accuracy"] = accuracy
+                metrics["timing/eval_s"] = time.perf_counter() - t4
+            self.metrics_queue.put(metrics)
+            start += metrics.get("timing/eval_s", 0.0)  # evaluation is neither training nor idling
+        busy_s = time.perf_counter() - start
+        return {"eval_accuracy_start": accuracy_start, "eval_accuracy_end": accuracy,
+                "trainer_idle_ratio": idle / max(1e-9, busy_s), "max_staleness": max_staleness,
+                "stale_samples_trained": stale_trained, "stale_groups_dropped": dropped_total}
+
+
+class PPOTrainerAsync:
+    """Starts the generator and the trainer over a bounded queue, relays the trainer's metrics, and stops both
+    when either fails (raising its error) or training is done."""
+
+    def __init__(self, cfg, engines: list, policy, weight_sync, train_prompts: list, eval_prompts: list,
+                 stand_in_train_s: float = None):
+        import ray
+        from ray.util.queue import Queue
+
+        self.cfg = cfg
+        self.queue = Queue(maxsize=cfg.queue_size, actor_options={"num_cpus": 0})
+        self.metrics_queue = Queue(actor_options={"num_cpus": 0})
+        options = {"num_cpus": 0, "max_concurrency": 2}  # run() blocks; stop() must still get through
+        self.generator = ray.remote(GenerateSamplesActor).options(**options).remote(
+            cfg, engines, train_prompts, self.queue)
+        self.trainer = ray.remote(TrainingActor).options(**options).remote(
+            cfg, policy, weight_sync, engines, self.queue, self.metrics_queue, eval_prompts, stand_in_train_s)
+
+    def _drain_metrics(self, log) -> None:
+        while self.metrics_queue.qsize():
+            log(self.metrics_queue.get())
+
+    def run(self, log) -> dict:
+        """log(metrics) receives every step's metrics, in order. Returns the trainer's summary."""
+        import ray
+
+        num_items = self.cfg.train.max_steps * self.cfg.train.require_batches
+        roles = {self.generator.run.remote(num_items): "generator", self.trainer.run.remote(): "trainer"}
+        summary, generator_result = None, None
+        try:
+            while summary is None:
+                done, _ = ray.wait(list(roles), num_returns=1, timeout=0.2)
+                self._drain_metrics(log)
+                for ref in done:
+                    role = roles.pop(ref)
+                    result = ray.get(ref)  # raises the role's error
+                    if role == "trainer":
+                        summary = result
+                    else:
+                        generator_result = result
+        finally:
+            self._shutdown(list(roles))
+        self._drain_metrics(log)
+        if summary.get("stopped"):
+            raise RuntimeError("the trainer was stopped before it finished")
+        summary["generator_idle_ratio"] = (generator_result or {}).get("idle_ratio")
+        return summary
+
+    def _shutdown(self, running: list) -> None:
+        """Ask both sides to stop, give them time to clean up (the generator aborts its running groups), then make
+        sure they are gone."""
+        import ray
+
+        for actor in (self.generator, self.trainer):
+            actor.stop.remote()
+        if running:
+            ray.wait(running, num_returns=len(running), timeout=10)
+        for actor in (self.generator, self.trainer):
+            ray.kill(actor, no_restart=True)
