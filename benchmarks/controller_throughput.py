@@ -38,7 +38,7 @@ class InstantEngine:
     async def _generate(self, prompt_ids, sampling, request_id):
         return {"response_ids": [7, 7], "logprobs": [-0.5, -0.5], "token_versions": [0, 0], "finish_reason": "stop"}
 
-    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=""):
+    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None):
         return list(await asyncio.gather(*(
             run_episode(self._generate, self.agent, self.tokenizer, prompt_ids, label, sampling, budget,
                         self.turns, 30.0, f"{group_id}-{i}") for i in range(n))))

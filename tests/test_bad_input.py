@@ -27,6 +27,16 @@ def run_cli(tmp_path, *flags):
         (["--algo.dynamic_filtering_range", "1", "0"], "--algo.dynamic_filtering_range 1.0 0.0: the low end"),
         (["--reward.overlong_buffer_len", "8"], "--reward.overlong_buffer_len 8 must be below"),
         (["--train.agent_func_path", "/no/agent.py"], "--train.agent_func_path /no/agent.py: no such file"),
+        (["--mode", "overlapped"], "--mode 'overlapped': use sync, async or fully_async"),
+        (["--train.async_queue_size", "0"], "--train.async_queue_size 0 (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at"),
+        (["--train.max_staleness", "-2"], "--train.max_staleness -2: must be 0 or more"),
+        (["--train.staleness_threshold", "-0.5"], "--train.staleness_threshold -0.5: must not be negative"),
+        (["--train.partial_rollout"], "--train.partial_rollout only apply to --mode fully_async (got --mode sync)"),
+        (["--mode", "async", "--train.async_queue_size", "2", "--train.max_staleness", "1"],
+         "--train.max_staleness 1 is below --train.async_queue_size 2"),
+        (["--train.max_staleness", "2"], "--train.max_staleness 2 contradicts --mode sync"),
+        (["--algo.off_policy_correction", "vtrace"], "--algo.off_policy_correction 'vtrace': use tis, icepop or none"),
+        (["--algo.icepop_band", "2", "0.5"], "--algo.icepop_band 2.0 0.5: need 0 < low < 1 < high"),
     ],
 )
 def test_bad_flag_values(tmp_path, capsys, flags, expected):
@@ -91,3 +101,13 @@ def test_a_step_returning_the_wrong_shape_is_reported_as_a_contract_error():
                           ((1.0, 5, True, {}), "next_state of type int")]:
         with pytest.raises(AgentStepError, match=expected):
             check_step_result(bad)
+
+
+def test_queue_size_from_the_environment_is_honoured_and_checked(tmp_path, capsys, monkeypatch):
+    from openrlhf_async.config import parse_config
+
+    monkeypatch.setenv("OPENRLHF_ASYNC_QUEUE_SIZE", "3")
+    assert parse_config(["--mode", "async"]).queue_size == 3
+    monkeypatch.setenv("OPENRLHF_ASYNC_QUEUE_SIZE", "0")
+    assert run_cli(tmp_path, "--mode", "async") == 2
+    assert "OPENRLHF_ASYNC_QUEUE_SIZE): must be at least 1" in capsys.readouterr().err

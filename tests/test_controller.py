@@ -15,7 +15,7 @@ class FakeEngine:
     def __init__(self, started=None):
         self.started, self.aborted, self.running = [] if started is None else started, [], {}
 
-    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=""):
+    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None):
         self.started.append(prompt_ids[0])
         if label.get("raise"):
             raise RuntimeError("engine failed")
@@ -193,3 +193,12 @@ def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
     stats = c.close()
     assert c.carried == [] and c.balancer.loads == [0] and not engine.running
     assert stats["aborted"] + len(g1) + len(g2) == m1["rollout/groups_started"] + m2["rollout/groups_started"]
+
+
+def test_a_batch_that_cannot_fill_stops_with_a_clear_error():
+    labels = [{"delay": 0.0, "scores": FLAT}] * 200
+    with pytest.raises(RuntimeError, match="none of [0-9]+ finished groups passed the dynamic-sampling filter"):
+        _controller([FakeEngine()]).run(_source(labels), target=2)
+    failing = [{"delay": 0.0, "scores": FLAT, "error": ("error", "ValueError: tool down")}] * 200
+    with pytest.raises(AgentFailureError, match="tool down"):  # stops before the filter gives up
+        _controller([FakeEngine()], max_error_ratio=0.5).run(_source(failing), target=2)

@@ -76,6 +76,7 @@ class AgentFailureError(RuntimeError):
 
 
 _group_ids = itertools.count()
+HOPELESS_GROUPS = 20  # batches' worth of finished groups with none valid, after which a rollout gives up
 
 
 class RolloutController:
@@ -83,7 +84,7 @@ class RolloutController:
                  capacity_per_engine: int, filter_rule: Optional[str] = "std", filter_eps: float = 1e-6,
                  filter_range: tuple = (0.0, 1.0), early_stop: bool = True, unbiased: bool = False,
                  overlong_buffer: int = 0, overlong_factor: float = 1.0, max_error_ratio: float = 1.0,
-                 abort_timeout: float = 60.0, agent_path: str = "", admission_margin: float = 0.0,
+                 abort_timeout: float = 60.0, agent_path: Optional[str] = None, admission_margin: float = 0.0,
                  carry_over: bool = False, wave_size: int = 0):
         self.engines, self.n, self.sampling, self.budget = engines, n, sampling, budget
         self.max_concurrent_prompts, self.capacity = max_concurrent_prompts, capacity_per_engine
@@ -91,7 +92,7 @@ class RolloutController:
         self.early_stop, self.unbiased = early_stop, unbiased
         self.overlong_buffer, self.overlong_factor = overlong_buffer, overlong_factor
         self.max_error_ratio, self.abort_timeout = max_error_ratio, abort_timeout
-        self.agent_path = agent_path  # "": the engines' own agent
+        self.agent_path = agent_path  # None: the engines' own agent
         self.admission_margin = admission_margin
         # Carry over: groups still running when a batch is complete keep running and join the next batch
         # (surplus valid groups too) instead of being aborted. Their tokens may then span weight versions.
@@ -112,7 +113,7 @@ class RolloutController:
             early_stop=cfg.rollout.early_stop, unbiased=cfg.rollout.unbiased_early_stop,
             admission_margin=cfg.rollout.admission_margin,
             overlong_buffer=cfg.reward.overlong_buffer_len, overlong_factor=cfg.reward.overlong_penalty_factor,
-            max_error_ratio=cfg.agent.max_error_ratio)
+            max_error_ratio=cfg.agent.max_error_ratio, agent_path=cfg.agent.func_path)
         settings.update(overrides)
         return cls(engines, **settings)
 
@@ -223,6 +224,8 @@ class RolloutController:
                             first_error = ep["error"][1]
                     record["valid"] = self._keep(group)
                     finished_order.append(record)
+                if failure is None:
+                    failure = self._hopeless(stats, first_error, target, finished_order)
                 if failure is not None:
                     break
                 batch = selected()
@@ -276,6 +279,19 @@ class RolloutController:
             raise AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed in one batch, above "
                                     f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
         return [r["group"] for r in batch], metrics
+
+    def _hopeless(self, stats: dict, first_error, target: int, finished: list):
+        """An error to stop on when the batch cannot go well: agents failing above the allowed share over a
+        batch's worth of episodes, or so many groups finished without one valid that none is likely to come."""
+        failed = stats["agent_errors"] + stats["agent_timeouts"]
+        if stats["episodes"] >= target * self.n and failed > self.max_error_ratio * stats["episodes"]:
+            return AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed, above "
+                                     f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
+        if len(finished) >= HOPELESS_GROUPS * target and not any(r["valid"] for r in finished):
+            return RuntimeError(f"none of {len(finished)} finished groups passed the dynamic-sampling filter (all "
+                                f"rewards equal within each group): check the reward and the labels, or relax "
+                                f"--algo.dynamic_filtering_rule / --algo.dynamic_filtering_enable")
+        return None
 
     def close(self) -> dict:
         """Drop the groups carried over for a batch that will never be asked for, aborting those still running.

@@ -43,7 +43,8 @@ class LLMRayActorAsync:
         self.aborted_groups: set = set()
         self.weight_version = 0
         self.agent_workers = agent_workers
-        self.agents = {"": load_agent(agent_path, agent_workers)}  # path -> agent; "" is the run's own
+        self.agent_path = agent_path  # the run's own agent file ("": the built-in math agent)
+        self.agents = {agent_path: load_agent(agent_path, agent_workers)}  # path -> agent, loaded once each
         self.agent_max_steps, self.agent_step_timeout = agent_max_steps, agent_step_timeout
 
     def ready(self) -> bool:
@@ -108,15 +109,16 @@ class LLMRayActorAsync:
         }
 
     async def generate_group(self, prompt_ids: list, label, n: int, sampling: dict, group_id: str,
-                             budget, agent_path: str = "") -> list:
+                             budget, agent_path: str = None) -> list:
         """A prompt's n agent episodes, run concurrently; each is scored by the agent the moment it ends.
         budget: response tokens per episode (the model's and the environment's), or a list of n budgets.
-        agent_path: another agent file than the run's own (loaded once, then kept)."""
+        agent_path: the agent file (None: the run's own); another one is loaded once, then kept."""
         from vllm import SamplingParams
 
         from openrlhf_async.agent import load_agent
         from openrlhf_async.rollout.episode import run_episode, run_executor_episode
 
+        agent_path = self.agent_path if agent_path is None else agent_path
         if agent_path not in self.agents:
             self.agents[agent_path] = load_agent(agent_path, self.agent_workers)
         agent = self.agents[agent_path]

