@@ -28,7 +28,7 @@ endif
 	touch $(STAMP)
 
 demo: install
-	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async --run_name demo
+	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async --run_name demo --mode fully_async --train.partial_rollout
 
 test: install
 	DEVICE=$(DEVICE) $(PY) -m pytest -q tests

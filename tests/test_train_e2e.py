@@ -80,3 +80,35 @@ def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_p
     assert last.startswith("error:") and "Actor" in last, err[-2000:]
     _, alive = psutil.wait_procs(engine_procs, timeout=30)
     assert not alive, f"orphaned engine processes: {[p.cmdline() for p in alive]}"
+
+
+def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp_path, tiny_model_path):
+    import signal
+    import time
+
+    import psutil
+
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", tiny_model_path,
+           "--mode", "fully_async", "--train.partial_rollout", "--vllm.num_engines", "1",
+           "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.max_steps", "1000",
+           "--eval.steps", "1000", "--eval.max_samples", "8", "--runs_dir", str(runs), "--run_name", "interrupt",
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    metrics = runs / "interrupt" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 2 for l in metrics.read_text().splitlines()):
+            break
+        time.sleep(1)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    descendants = psutil.Process(proc.pid).children(recursive=True)  # this run's Ray cluster, actors, vLLM
+    assert any("VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline()) for p in descendants)
+    interrupted_at = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    _, alive = psutil.wait_procs(descendants, timeout=max(1.0, 30 - (time.time() - interrupted_at)))
+    assert time.time() - interrupted_at < 30, "shutting down took more than 30 s"
+    assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
+    assert not alive, f"orphaned processes: {[p.cmdline()[:2] for p in alive]}"
