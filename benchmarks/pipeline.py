@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller run that finishes within 3 minutes")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps = 5
+        args.steps, args.batch_size = 3, 4
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -70,8 +70,9 @@ def main(argv=None) -> int:
     validate(cfg)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    engines = create_engines(cfg, model_path)
+    engines = create_engines(cfg, model_path, wait=False)  # engines and ranks start side by side
     policy = PolicyGroup(cfg, model_path)
+    ray.get([e.ready.remote() for e in engines])
     weight_sync = WeightSync(policy, engines, cfg)
 
     def run(mode: str, steps: int, train_s: float, **train) -> tuple:
@@ -90,18 +91,17 @@ def main(argv=None) -> int:
               f"{phase['train']:.1f}, syncing {phase['sync']:.1f}), trainer idle {summary['trainer_idle_ratio']:.3f},"
               f" max staleness {summary['max_staleness']} (limit {c.staleness_limit}), partial ratio "
               f"{max(m['partial_ratio'] for m in steps_):.3f}", file=sys.stderr, flush=True)
-        return total, phase, summary, c
+        return total, phase, summary, c, steps_
 
-    run("sync", 2, 0.0)  # warm-up: the engines' first requests pay one-off costs
-    train_s = args.train_s
-    if not train_s:  # calibrate: the generation time of a batch in sync mode
-        start = time.perf_counter()
-        _, phase, _, _ = run("sync", 3, 0.0)
-        train_s = round(phase["wait"] / 3, 2)
-        print(f"calibrated stand-in step: {train_s} s ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    sync_s, sync_phase, _, _ = run("sync", args.steps, train_s)
-    async_s, _, _, _ = run("async", args.steps, train_s, async_queue_size=1)
-    fully_s, _, fully, fully_cfg = run("fully_async", args.steps, train_s, partial_rollout=True)
+    # Calibrate: the generation time of a batch in sync mode; the first step only warms the engines up.
+    start = time.perf_counter()
+    _, _, _, _, calibration = run("sync", 2 if args.quick else 3, 0.0)
+    measured = [m["timing/wait_s"] for m in calibration[1:]]
+    train_s = args.train_s or round(sum(measured) / len(measured), 2)
+    print(f"stand-in optimizer step: {train_s} s ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    sync_s, sync_phase, _, _, _ = run("sync", args.steps, train_s)
+    async_s, _, _, _, _ = run("async", args.steps, train_s, async_queue_size=1)
+    fully_s, _, fully, fully_cfg, _ = run("fully_async", args.steps, train_s, partial_rollout=True)
     ray.shutdown()
 
     tg = sync_phase["wait"] / args.steps
