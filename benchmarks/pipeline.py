@@ -21,6 +21,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from rollout_early_stop import setup  # noqa: E402  (the benchmarks' shared workload and config)
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,33 +40,16 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.batch_size = 3, 4
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    model_path, prompts, cfg = setup(4096, args.n, args.median, 1.0, args.cap, 0.4, args.seed, args.batch_size)
     import ray
-    from rollout_early_stop import workload
-    from transformers import AutoTokenizer
 
-    from openrlhf_async.config import Config, default_cache_dir, validate
-    from openrlhf_async.data.synthetic import make_arithmetic_rows
-    from openrlhf_async.models.tiny import build_tiny_model
+    from openrlhf_async.config import validate
     from openrlhf_async.rollout.engine import create_engines
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
     from openrlhf_async.trainer.policy import PolicyGroup
-    from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
     from openrlhf_async.trainer.weight_sync import WeightSync
 
-    model_path = build_tiny_model(default_cache_dir(), warm_steps=0, max_positions=1024)
-    rows = make_arithmetic_rows(256, seed=args.seed, split="train")
-    prompt_ids = [p["prompt_ids"] for p in tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, True)]
-    prompts = workload(4096, args.n, args.median, 1.0, args.cap, 0.4, args.seed, prompt_ids)
-
-    cfg = Config()
-    cfg.device, cfg.vllm.num_engines, cfg.actor.num_gpus_per_node = "cpu", 2, 2
-    cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
-    cfg.data.max_len = args.cap + max(len(p) for p in prompt_ids) + 8
-    cfg.rollout.max_new_tokens, cfg.rollout.n_samples_per_prompt = args.cap, args.n
-    cfg.rollout.batch_size = args.batch_size
-    cfg.agent.func_path = os.path.join(HERE, "bernoulli_agent.py")
+    cfg.actor.num_gpus_per_node = 2
     cfg.train.staleness_threshold = args.staleness_threshold
     cfg.progress = False
     validate(cfg)

@@ -38,6 +38,34 @@ def workload(num_prompts: int, n: int, median: float, sigma: float, cap: int, fl
     return out
 
 
+def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_fraction: float, seed: int,
+          batch_size: int, engines: int = 2) -> tuple:
+    """The benchmarks' shared ground: (model path, workload prompts, config) on the untrained tiny model with the
+    coin-flip agent. Rewards come from the workload and EOS is ignored, so the untrained model serves; it needs
+    longer positions. The caller adds its own settings and validates."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.config import Config, default_cache_dir
+    from openrlhf_async.data.synthetic import make_arithmetic_rows
+    from openrlhf_async.models.tiny import build_tiny_model
+    from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
+
+    model_path = build_tiny_model(default_cache_dir(), warm_steps=0, max_positions=1024)
+    rows = make_arithmetic_rows(256, seed=seed, split="train")
+    prompt_ids = [p["prompt_ids"] for p in tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, True)]
+    prompts = workload(num_prompts, n, median, sigma, cap, flat_fraction, seed, prompt_ids)
+    cfg = Config()
+    cfg.device, cfg.vllm.num_engines = "cpu", engines
+    cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
+    cfg.data.max_len = cap + max(len(p) for p in prompt_ids) + 8
+    cfg.rollout.max_new_tokens, cfg.rollout.n_samples_per_prompt = cap, n
+    cfg.rollout.batch_size = batch_size
+    cfg.agent.func_path = os.path.join(HERE, "bernoulli_agent.py")
+    return model_path, prompts, cfg
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=2)
@@ -58,41 +86,24 @@ def main(argv=None) -> int:
     if args.quick:
         args.target, args.batches = 16, 2
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # One prompt sequence, consumed from the start by every method.
+    model_path, prompts, cfg = setup(200 * args.target * args.batches, args.n, args.median, args.sigma, args.cap,
+                                     args.flat_fraction, args.seed, args.target, args.engines)
     import ray
-    from transformers import AutoTokenizer
 
-    from openrlhf_async.config import Config, default_cache_dir, validate
-    from openrlhf_async.data.synthetic import make_arithmetic_rows
-    from openrlhf_async.models.tiny import build_tiny_model
+    from openrlhf_async.config import validate
     from openrlhf_async.rollout.controller import RolloutController
     from openrlhf_async.rollout.engine import create_engines
-    from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
 
-    # Rewards come from the workload and EOS is ignored, so the untrained model serves; it needs longer positions.
-    model_path = build_tiny_model(default_cache_dir(), warm_steps=0, max_positions=1024)
-    rows = make_arithmetic_rows(256, seed=args.seed, split="train")
-    prompt_ids = [p["prompt_ids"] for p in tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, True)]
-    cfg = Config()
-    cfg.device, cfg.vllm.num_engines = "cpu", args.engines
-    cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
-    cfg.data.max_len = args.cap + max(len(p) for p in prompt_ids) + 8
-    cfg.rollout.max_new_tokens, cfg.rollout.n_samples_per_prompt = args.cap, args.n
-    cfg.rollout.batch_size = args.target
     cfg.vllm.max_num_seqs = args.max_num_seqs
     cfg.rollout.admission_margin = args.admission_margin
     cfg.rollout.max_concurrent_prompts = args.max_concurrent_prompts
-    cfg.agent.func_path = os.path.join(HERE, "bernoulli_agent.py")
     validate(cfg)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     engines = create_engines(cfg, model_path)
     sampling = {"temperature": 1.0, "ignore_eos": True}
 
-    # One prompt sequence, consumed from the start by every method.
-    prompts = workload(200 * args.target * args.batches, args.n, args.median, args.sigma, args.cap,
-                       args.flat_fraction, args.seed, prompt_ids)
     wave_dapo = 3 * args.target
     methods = {  # name: controller settings
         "baseline": dict(early_stop=False, max_concurrent_prompts=args.target),

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 from safetensors.torch import load_file
 
@@ -47,25 +48,29 @@ def test_cli_trains_syncs_and_saves(tmp_path, tiny_model_path):
     assert os.path.isfile(os.path.join(summary["checkpoint"], "tokenizer.json"))
 
 
-def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_path):
-    import time
-
-    import psutil
-
+def _start_long_run(tmp_path, model_path, name, *flags):
+    """Start a 1000-step CLI run with its own Ray cluster; return the process once it has trained 2 steps."""
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", tiny_model_path,
+    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", model_path,
            "--vllm.num_engines", "1", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
            "--train.max_steps", "1000", "--eval.steps", "1000", "--eval.max_samples", "8",
-           "--runs_dir", str(runs), "--run_name", "fault", "--no-progress"]
+           "--runs_dir", str(runs), "--run_name", name, "--no-progress", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RAY_ADDRESS": ""})
-    metrics = runs / "fault" / "metrics.jsonl"
+    metrics = runs / name / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and any(json.loads(l)["step"] >= 2 for l in metrics.read_text().splitlines()):
             break
         time.sleep(1)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return proc
+
+
+def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_path):
+    import psutil
+
+    proc = _start_long_run(tmp_path, tiny_model_path, "fault")
     # The rank actors of this run's own Ray cluster are descendants of the command.
     descendants = psutil.Process(proc.pid).children(recursive=True)
     ranks = [p for p in descendants if "PolicyActor" in " ".join(p.cmdline())]
@@ -84,25 +89,10 @@ def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_p
 
 def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp_path, tiny_model_path):
     import signal
-    import time
 
     import psutil
 
-    runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", tiny_model_path,
-           "--mode", "fully_async", "--train.partial_rollout", "--vllm.num_engines", "1",
-           "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.max_steps", "1000",
-           "--eval.steps", "1000", "--eval.max_samples", "8", "--runs_dir", str(runs), "--run_name", "interrupt",
-           "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_ADDRESS": ""})
-    metrics = runs / "interrupt" / "metrics.jsonl"
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(l)["step"] >= 2 for l in metrics.read_text().splitlines()):
-            break
-        time.sleep(1)
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc = _start_long_run(tmp_path, tiny_model_path, "interrupt", "--mode", "fully_async", "--train.partial_rollout")
     descendants = psutil.Process(proc.pid).children(recursive=True)  # this run's Ray cluster, actors, vLLM
     assert any("VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline()) for p in descendants)
     interrupted_at = time.time()

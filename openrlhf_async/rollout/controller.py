@@ -274,19 +274,25 @@ class RolloutController:
         }
         if first_error:
             metrics["rollout/agent_first_error"] = first_error
-        failed = stats["agent_errors"] + stats["agent_timeouts"]
-        if failed > self.max_error_ratio * max(1, stats["episodes"]):
-            raise AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed in one batch, above "
-                                    f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
+        failure = self._agent_failure(stats, first_error)
+        if failure is not None:
+            raise failure
         return [r["group"] for r in batch], metrics
+
+    def _agent_failure(self, stats: dict, first_error, min_episodes: int = 0):
+        """An AgentFailureError once at least min_episodes have ended and too many of them failed in the agent."""
+        failed = stats["agent_errors"] + stats["agent_timeouts"]
+        if stats["episodes"] >= min_episodes and failed > self.max_error_ratio * max(1, stats["episodes"]):
+            return AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed in this batch, above "
+                                     f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
+        return None
 
     def _hopeless(self, stats: dict, first_error, target: int, finished: list):
         """An error to stop on when the batch cannot go well: agents failing above the allowed share over a
         batch's worth of episodes, or so many groups finished without one valid that none is likely to come."""
-        failed = stats["agent_errors"] + stats["agent_timeouts"]
-        if stats["episodes"] >= target * self.n and failed > self.max_error_ratio * stats["episodes"]:
-            return AgentFailureError(f"{failed} of {stats['episodes']} agent episodes failed, above "
-                                     f"--agent.max_error_ratio {self.max_error_ratio}; first error: {first_error}")
+        failure = self._agent_failure(stats, first_error, min_episodes=target * self.n)
+        if failure is not None:
+            return failure
         if len(finished) >= HOPELESS_GROUPS * target and not any(r["valid"] for r in finished):
             return RuntimeError(f"none of {len(finished)} finished groups passed the dynamic-sampling filter (all "
                                 f"rewards equal within each group): check the reward and the labels, or relax "

@@ -21,7 +21,14 @@ from openrlhf_async.trainer.staleness import (is_fresh, may_produce, production_
 from openrlhf_async.utils.ray_utils import get_all
 
 END = "end"  # the generator's last queue item
-_COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts")
+_COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
+             "rollout/stale_groups_dropped")
+
+
+def _merge_rollout_metrics(into: dict, new: dict) -> None:
+    """Fold one rollout's metrics into a batch's: counters add up, the rest take the newest value."""
+    for key, value in new.items():
+        into[key] = into[key] + value if key.startswith(_COUNTERS) and key in into else value
 
 
 def _put(queue, item, stopped: threading.Event) -> bool:
@@ -77,8 +84,7 @@ class GenerateSamplesActor:
             fresh = [g for g in got if is_fresh(g, target_version, self.cfg.staleness_limit)]
             dropped += len(got) - len(fresh)
             groups += fresh
-            for key, value in m.items():
-                metrics[key] = metrics.get(key, 0) + value if key.startswith(_COUNTERS) else value
+            _merge_rollout_metrics(metrics, m)
         metrics["rollout/stale_groups_dropped"] = dropped
         return groups, metrics
 
@@ -178,10 +184,8 @@ class TrainingActor:
             stale_trained += report["staleness/stale_samples"]
             max_staleness = max(max_staleness, report["staleness/max"])
             metrics = {"step": step, **stats}
-            for item in items:  # rollout metrics: counters summed over the step's batches, the rest from the last
-                for key, value in item["metrics"].items():
-                    summed = key.startswith(_COUNTERS) or key == "rollout/stale_groups_dropped"
-                    metrics[key] = metrics.get(key, 0) + value if summed and key in metrics else value
+            for item in items:
+                _merge_rollout_metrics(metrics, item["metrics"])
             metrics.update(report)
             metrics.update({
                 "rollout/tokens_per_s": metrics["rollout/tokens_generated"] / max(1e-9, metrics["rollout/time_to_batch_s"]),
