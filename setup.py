@@ -14,6 +14,7 @@ COMMON = [
     "pyarrow",
     "tqdm",
     "pylatexenc",
+    "matplotlib",
 ]
 
 setup(

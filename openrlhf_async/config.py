@@ -138,6 +138,10 @@ class DSConfig:
 @dataclass
 class CkptConfig:
     output_dir: str = ""  # empty: <run dir>/final_hf
+    save_steps: int = 0  # 0: no resumable checkpoints
+    path: str = ""  # empty: <run dir>/ckpt
+    resume: bool = False
+    max_num: int = 2  # checkpoints kept; older ones are deleted
 
 
 @dataclass
@@ -174,6 +178,10 @@ class Config:
     @property
     def run_dir(self) -> str:
         return os.path.join(self.runs_dir, self.run_name)
+
+    @property
+    def ckpt_path(self) -> str:
+        return self.ckpt.path or os.path.join(self.run_dir, "ckpt")
 
     @property
     def max_concurrent_prompts(self) -> int:
@@ -274,6 +282,12 @@ _HELP = {
     "dry_run": "resolve and validate the whole configuration (files, datasets, resources) and print it; start nothing",
     "reward.overlong_buffer_len": "DAPO overlong shaping: penalise responses within this many tokens of the budget",
     "reward.overlong_penalty_factor": "DAPO overlong shaping: the penalty at the full budget",
+    "ckpt.output_dir": "where the final HF-format model is saved; empty: <run dir>/final_hf",
+    "ckpt.save_steps": "save a resumable checkpoint (DeepSpeed state, data position, weight version, random "
+                       "state) every N steps; 0: none",
+    "ckpt.path": "folder of the resumable checkpoints; empty: <run dir>/ckpt",
+    "ckpt.resume": "continue from the newest checkpoint in --ckpt.path (from scratch when there is none)",
+    "ckpt.max_num": "resumable checkpoints kept; older ones are deleted",
     "logger.use_tensorboard": "write every numeric metric as a TensorBoard scalar under <run dir>/tensorboard",
     "logger.use_wandb": "log metrics and the config to Weights & Biases from a background thread (never blocks "
                         "the run); run files under <run dir>/wandb",
@@ -495,6 +509,13 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError(f"--algo.icepop_band {low} {high}: need 0 < low < 1 < high")
     if cfg.algo.kl_coef < 0:
         raise ConfigError(f"--algo.kl_coef {cfg.algo.kl_coef}: must not be negative")
+    c = cfg.ckpt
+    if c.save_steps < 0 or c.max_num < 1:
+        raise ConfigError(f"--ckpt.save_steps {c.save_steps} / --ckpt.max_num {c.max_num}: need save_steps >= 0 "
+                          "(0: none) and max_num >= 1")
+    if c.save_steps % t.trigger_parameter_sync_step:
+        raise ConfigError(f"--ckpt.save_steps {c.save_steps} must be a multiple of --train.trigger_parameter_sync_step "
+                          f"{t.trigger_parameter_sync_step}: a checkpoint is taken when the engines hold its weights")
 
 
 def wandb_api_key_available() -> bool:

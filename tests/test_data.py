@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from openrlhf_async.config import ConfigError
-from openrlhf_async.data.prompts import PromptSampler, load_prompts, tokenize_prompts
+from openrlhf_async.data.prompts import PromptSampler, StreamProgress, load_prompts, tokenize_prompts
 
 
 def test_parquet_chat_messages_are_kept_whole_with_their_system_turn(tmp_path):
@@ -77,10 +77,32 @@ def test_tokenize_text_and_message_prompts_with_and_without_the_chat_template():
     assert [bytes(p["prompt_ids"]).decode() for p in plain] == ["P", "S\nQ"]
 
 
-def test_sampler_visits_every_prompt_once_per_epoch():
+def test_sampler_visits_every_prompt_once_per_epoch_reproducibly():
     rows = [{"prompt": str(i)} for i in range(10)]
     sampler = PromptSampler(rows, seed=1)
-    first = [r["prompt"] for r in sampler.next_batch(4) + sampler.next_batch(6)]
-    assert sorted(first) == sorted(r["prompt"] for r in rows)
-    assert sampler.consumed == 10
-    assert PromptSampler(rows, seed=1).next_batch(10) == [{"prompt": p} for p in first]
+    drawn = [sampler.next() for _ in range(20)]
+    assert [d["position"] for d in drawn] == list(range(20))
+    for epoch in (drawn[:10], drawn[10:]):
+        assert sorted(d["prompt"] for d in epoch) == sorted(r["prompt"] for r in rows)
+    assert [d["prompt"] for d in drawn[:10]] != [d["prompt"] for d in drawn[10:]], "epochs are shuffled anew"
+    assert all(rows[d["id"]]["prompt"] == d["prompt"] for d in drawn)
+    again = PromptSampler(rows, seed=1)
+    assert [again.next()["id"] for _ in range(20)] == [d["id"] for d in drawn]
+
+
+def test_a_resumed_sampler_continues_the_stream_skipping_only_what_was_used():
+    rows = [{"prompt": str(i)} for i in range(7)]
+    # Positions 0-4 and 7 were used (7 finished while 5 and 6 still ran); 5, 6 and 8 on must still come.
+    progress = StreamProgress()
+    progress.add([1, 0, 7])
+    progress.add([2, 4, 3])
+    assert progress.state() == {"frontier": 5, "done": [7]}
+    resumed = PromptSampler(rows, 3, **progress.state())
+    rest = [resumed.next() for _ in range(5)]
+    assert [r["position"] for r in rest] == [5, 6, 8, 9, 10]
+    fresh = PromptSampler(rows, seed=3)
+    expected = {}
+    for _ in range(11):
+        d = fresh.next()
+        expected[d["position"]] = d["id"]
+    assert all(r["id"] == expected[r["position"]] for r in rest), "a position names the same prompt after resume"

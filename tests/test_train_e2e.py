@@ -48,29 +48,84 @@ def test_cli_trains_syncs_and_saves(tmp_path, tiny_model_path):
     assert os.path.isfile(os.path.join(summary["checkpoint"], "tokenizer.json"))
 
 
-def _start_long_run(tmp_path, model_path, name, *flags):
-    """Start a 1000-step CLI run with its own Ray cluster; return the process once it has trained 2 steps."""
-    runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", model_path,
-           "--vllm.num_engines", "1", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
-           "--train.max_steps", "1000", "--eval.steps", "1000", "--eval.max_samples", "8",
-           "--runs_dir", str(runs), "--run_name", name, "--no-progress", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_ADDRESS": ""})
-    metrics = runs / name / "metrics.jsonl"
+def _command(tmp_path, model_path, name, *flags):
+    return [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", model_path,
+            "--vllm.num_engines", "1", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
+            "--train.max_steps", "1000", "--eval.steps", "1000", "--eval.max_samples", "8",
+            "--runs_dir", str(tmp_path / "runs"), "--run_name", name, "--no-progress", *flags]
+
+
+def _start_long_run(tmp_path, model_path, name, *flags, until_step=2, until_file=None):
+    """Start a 1000-step CLI run with its own Ray cluster; return the process once it has trained until_step
+    steps (and until_file exists)."""
+    proc = subprocess.Popen(_command(tmp_path, model_path, name, *flags), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    metrics = tmp_path / "runs" / name / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(l)["step"] >= 2 for l in metrics.read_text().splitlines()):
+        if (metrics.exists() and any(json.loads(l)["step"] >= until_step for l in metrics.read_text().splitlines())
+                and (until_file is None or until_file.exists())):
             break
-        time.sleep(1)
+        time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     return proc
+
+
+def _records(path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path):
+    import psutil
+
+    with open(tmp_path / "train.jsonl", "w") as f:  # more prompts than the run uses: an id seen twice is an error
+        for a in range(20):
+            for b in range(20):
+                f.write(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n")
+    flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--mode", "async", "--ckpt.save_steps", "2"]
+    run_dir = tmp_path / "runs" / "resume"
+    proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3,
+                           until_file=run_dir / "ckpt" / "step_2" / "trainer_state.json")
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    heavy = [p for p in descendants if any(k in " ".join(p.cmdline()) for k in ("VLLM", "LLMRayActor", "PolicyActor"))]
+    proc.kill()  # SIGKILL: no clean-up of any kind in the driver
+    proc.communicate()
+    _, alive = psutil.wait_procs(heavy, timeout=60)
+    assert heavy and not alive, f"engines or ranks outlived the killed run: {[p.cmdline()[:2] for p in alive]}"
+    for p in psutil.wait_procs(descendants, timeout=1)[1]:  # Ray's agents, which notice a dead raylet after ~1 min
+        p.kill()
+    killed_steps = [m["step"] for m in _records(run_dir / "metrics.jsonl")]
+    saved = sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    resumed_from = max(int(name[5:]) for name in saved if not name.endswith(".partial"))
+    assert resumed_from >= 2 and max(killed_steps) > resumed_from  # the kill lost trained steps
+
+    cmd = _command(tmp_path, tiny_model_path, "resume", *flags, "--ckpt.resume")
+    cmd[cmd.index("--train.max_steps") + 1] = str(resumed_from + 3)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {run_dir / 'ckpt' / f'step_{resumed_from}'}: step {resumed_from}" in done.stdout
+
+    steps = list(range(1, resumed_from + 4))
+    metrics = _records(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == steps, "the metrics do not continue the same curve"
+    assert [m["weight_version"] for m in metrics] == steps, "the engines did not continue the weight versions"
+    used = _records(run_dir / "used_prompts.jsonl")
+    assert [u["step"] for u in used] == steps
+    positions = [p for u in used for p in u["positions"]]
+    ids = [i for u in used for i in u["prompt_ids"]]
+    before = sum(len(u["positions"]) for u in used if u["step"] <= resumed_from)
+    print(f"prompts used: {before} before the kill (checkpoint at step {resumed_from}), {len(positions) - before} "
+          f"after resuming; duplicates {len(ids) - len(set(ids))}, skipped {max(positions) + 1 - len(set(positions))}")
+    assert len(set(ids)) == len(ids), "a prompt was used twice"
+    assert sorted(positions) == list(range(len(positions))), "the prompt stream has a gap or a repeat"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == resumed_from + 3
 
 
 def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_path):
     import psutil
 
-    proc = _start_long_run(tmp_path, tiny_model_path, "fault")
+    proc = _start_long_run(tmp_path, tiny_model_path, "fault", "--ckpt.save_steps", "1")
     # The rank actors of this run's own Ray cluster are descendants of the command.
     descendants = psutil.Process(proc.pid).children(recursive=True)
     ranks = [p for p in descendants if "PolicyActor" in " ".join(p.cmdline())]
@@ -85,6 +140,15 @@ def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_p
     assert last.startswith("error:") and "Actor" in last, err[-2000:]
     _, alive = psutil.wait_procs(engine_procs, timeout=30)
     assert not alive, f"orphaned engine processes: {[p.cmdline() for p in alive]}"
+    # The last complete checkpoint is intact: every rank's state is there and a resume would start from it.
+    ckpt = tmp_path / "runs" / "fault" / "ckpt"
+    newest = max((p for p in ckpt.iterdir() if not p.name.endswith(".partial")), key=lambda p: int(p.name[5:]))
+    assert len(list((newest / "deepspeed").glob("*optim_states.pt"))) == 2
+    dry = subprocess.run(_command(tmp_path, tiny_model_path, "fault", "--ckpt.resume", "--dry_run"),
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    report = json.loads(dry.stdout[: dry.stdout.rindex("}") + 1])
+    assert report["resume_from"] == {"path": str(newest), "step": int(newest.name[5:])}
 
 
 def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp_path, tiny_model_path):

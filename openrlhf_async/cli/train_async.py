@@ -7,12 +7,14 @@ import tempfile
 
 
 def prepare(cfg):
-    """Resolve the model, agent, reward and datasets and check them, all before any actor starts.
-    A dry run writes nothing and builds nothing."""
+    """Resolve the model, agent, reward, datasets and the checkpoint to resume from, and check them, all before
+    any actor starts. A dry run writes nothing and builds nothing.
+    Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.agent import AgentFileError, load_agent
     from openrlhf_async.config import ConfigError, default_cache_dir, to_dict, validate
     from openrlhf_async.data.prompts import load_prompts
     from openrlhf_async.reward.sources import RewardFileError, make_reward
+    from openrlhf_async.trainer.checkpoint import find_resume
 
     validate(cfg)
     try:  # import and check the user's files here, so a broken one fails before any engine starts
@@ -32,9 +34,10 @@ def prepare(cfg):
     if cfg.eval.dataset:
         eval_rows = load_prompts(cfg.eval.dataset, cfg.data.input_key, cfg.data.label_key, "--eval.dataset",
                                  cfg.eval.max_samples)
+    resume = find_resume(cfg, len(train_rows))
     model_path = cfg.actor.model_name_or_path
     if cfg.dry_run:
-        return model_path or "embedded tiny model (built on first use)", train_rows, eval_rows
+        return model_path or "embedded tiny model (built on first use)", train_rows, eval_rows, resume
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
         json.dump(to_dict(cfg), f, indent=2)
@@ -43,7 +46,7 @@ def prepare(cfg):
 
         print("building the embedded tiny model (cached after the first run) ...", flush=True)
         model_path = build_tiny_model(default_cache_dir(cfg))
-    return model_path, train_rows, eval_rows
+    return model_path, train_rows, eval_rows, resume
 
 
 def resources(cfg) -> dict:
@@ -67,11 +70,12 @@ def check_cluster(cfg) -> None:
                           f"trainer ranks) and the Ray cluster has {have}; lower them or use --device cpu")
 
 
-def dry_run_report(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
+def dry_run_report(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> dict:
     from openrlhf_async.config import to_dict
 
     return {"config": to_dict(cfg), "model": model_path, "resources": resources(cfg),
             "datasets": {"train_rows": len(train_rows), "eval_rows": len(eval_rows)},
+            "resume_from": resume and {"path": resume[0], "step": resume[1]["step"]},
             "staleness_limit": cfg.staleness_limit, "queue_size": cfg.queue_size}
 
 
@@ -80,12 +84,12 @@ def main(argv=None) -> int:
 
     cfg = parse_config(argv)
     try:
-        model_path, train_rows, eval_rows = prepare(cfg)
+        model_path, train_rows, eval_rows, resume = prepare(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.dry_run:
-        report = dry_run_report(cfg, model_path, train_rows, eval_rows)
+        report = dry_run_report(cfg, model_path, train_rows, eval_rows, resume)
         print(json.dumps(report, indent=2))
         r = report["resources"]
         print(f"dry run: configuration valid; would start {r['vllm_engines']} vLLM engine(s) x tensor parallel "
@@ -105,7 +109,7 @@ def main(argv=None) -> int:
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     try:
         check_cluster(cfg)
-        summary = train(cfg, model_path, train_rows, eval_rows)
+        summary = train(cfg, model_path, train_rows, eval_rows, resume)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -102,20 +102,47 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool) -> list:
 
 
 class PromptSampler:
-    """Endless shuffled pass over the prompts, epoch by epoch, reproducible from a seed."""
+    """An endless stream of prompts, epoch after epoch, each epoch a shuffle of the dataset seeded by (seed, epoch).
+    Stream position p is row permutation(p // N)[p % N], so a position alone says which prompt it is and a resumed
+    run can continue the same stream: it starts at `frontier` (every earlier position was used) and skips the
+    positions in `done` (used already, beyond the frontier: groups that finished while earlier ones still ran)."""
 
-    def __init__(self, rows: list, seed: int):
-        self.rows = rows
-        self.rng = random.Random(seed)
-        self.order: list = []
-        self.consumed = 0
+    def __init__(self, rows: list, seed: int, frontier: int = 0, done=()):
+        self.rows, self.seed = rows, seed
+        self.position, self.done = frontier, set(done)
+        self._epoch, self._order = None, []
 
-    def next_batch(self, size: int) -> list:
-        batch = []
-        while len(batch) < size:
-            if not self.order:
-                self.order = list(range(len(self.rows)))
-                self.rng.shuffle(self.order)
-            batch.append(self.rows[self.order.pop()])
-            self.consumed += 1
-        return batch
+    def row_id(self, position: int) -> int:
+        epoch = position // len(self.rows)
+        if epoch != self._epoch:
+            self._order = list(range(len(self.rows)))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[position % len(self.rows)]
+
+    def next(self) -> dict:
+        """The next unused prompt row, with its stream "position" and dataset row "id"."""
+        while self.position in self.done:
+            self.done.discard(self.position)
+            self.position += 1
+        position, self.position = self.position, self.position + 1
+        row_id = self.row_id(position)
+        return {**self.rows[row_id], "position": position, "id": row_id}
+
+
+class StreamProgress:
+    """Which stream positions are used up, kept small: a frontier (every position below it is used) and the used
+    positions beyond it (groups that finished while earlier ones still ran)."""
+
+    def __init__(self, frontier: int = 0, done=()):
+        self.frontier, self.done = frontier, set(done)
+
+    def add(self, positions) -> None:
+        self.done.update(positions)
+        while self.frontier in self.done:
+            self.done.remove(self.frontier)
+            self.frontier += 1
+
+    def state(self) -> dict:
+        """PromptSampler's keyword arguments to continue the stream after these positions."""
+        return {"frontier": self.frontier, "done": sorted(self.done)}

@@ -21,7 +21,9 @@ class LLMRayActorAsync:
         from openrlhf_async.agent import load_agent
         from openrlhf_async.reward.math_verify_reward import configure_math_verify
         from openrlhf_async.reward.sources import make_reward
+        from openrlhf_async.utils.timeline import Timeline
 
+        self.timeline = Timeline(f"engine {engine_index}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         args = AsyncEngineArgs(
             model=model_path,
@@ -66,6 +68,10 @@ class LLMRayActorAsync:
     def get_weight_version(self) -> int:
         return self.weight_version
 
+    def take_spans(self) -> list:
+        """Spans since the last call: "generate" while any request is in flight, "sync" while loading weights."""
+        return self.timeline.take()
+
     async def _request(self, prompt_ids: list, params, request_id: str, group_id: str = ""):
         """One vLLM request under the semaphore: (final RequestOutput, the weight version of each token).
         A token's version is the one loaded when its output arrived: weights change only while generation is
@@ -77,6 +83,7 @@ class LLMRayActorAsync:
             if group_id in self.aborted_groups:
                 raise EpisodeAborted(request_id)
             self.in_flight[request_id] = group_id
+            self.timeline.begin("generate")
             self.groups.setdefault(group_id, set()).add(request_id)
             versions = []
             try:
@@ -86,6 +93,8 @@ class LLMRayActorAsync:
                     versions += [self.weight_version] * (len(out.outputs[0].token_ids) - len(versions))
             finally:
                 self.in_flight.pop(request_id, None)
+                if not self.in_flight:
+                    self.timeline.end("generate")
                 self.groups.get(group_id, set()).discard(request_id)
         return final, versions
 
@@ -200,13 +209,14 @@ class LLMRayActorAsync:
         paused. pause_mode "wait" lets running requests finish on the old weights first; "keep" freezes them
         (partial rollout): their cached keys and values are dropped, so they continue wholly on the new weights,
         and the tokens they generate from here on carry the new version."""
-        await self.engine.pause_generation(mode=pause_mode, clear_cache=False)
-        try:
-            await self.engine.collective_rpc("receive_weights", args=(buckets,))
-            await self.engine.reset_prefix_cache(reset_running_requests=True)
-            self.weight_version = version
-        finally:
-            await self.engine.resume_generation()
+        with self.timeline.span("sync"):
+            await self.engine.pause_generation(mode=pause_mode, clear_cache=False)
+            try:
+                await self.engine.collective_rpc("receive_weights", args=(buckets,))
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                self.weight_version = version
+            finally:
+                await self.engine.resume_generation()
         return version
 
     async def read_weight(self, name: str):

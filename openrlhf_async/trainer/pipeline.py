@@ -19,6 +19,7 @@ import torch
 from openrlhf_async.trainer.staleness import (is_fresh, may_produce, production_window, trained_version,
                                               version_report)
 from openrlhf_async.utils.ray_utils import get_all
+from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
 _COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
@@ -56,15 +57,18 @@ def _get(queue, stopped: threading.Event):
 
 
 class GenerateSamplesActor:
-    """Produces batches of valid groups with the rollout controller, as fast as the staleness bounds allow."""
+    """Produces batches of valid groups with the rollout controller, as fast as the staleness bounds allow.
+    Each batch says which prompt-stream positions it used up (see data/prompts.py), so a checkpoint knows where
+    the data stands: started groups whose outcome is not in a batch yet (carried over) are not used up."""
 
-    def __init__(self, cfg, engines: list, prompts: list, queue):
+    def __init__(self, cfg, engines: list, prompts: list, queue, data_position: dict = None):
         from openrlhf_async.data.prompts import PromptSampler
         from openrlhf_async.rollout.controller import RolloutController
 
         self.cfg, self.engines, self.queue = cfg, engines, queue
         self.controller = RolloutController.from_config(cfg, engines, carry_over=cfg.mode == "fully_async")
-        self.sampler = PromptSampler(prompts, cfg.train.seed)
+        self.sampler = PromptSampler(prompts, cfg.train.seed, **(data_position or {}))
+        self.timeline = Timeline("generator")
         self.window = production_window(cfg.mode, cfg.queue_size, cfg.train.staleness_threshold,
                                         cfg.train.trigger_parameter_sync_step, cfg.train.require_batches)
         self.stopped = threading.Event()
@@ -78,15 +82,27 @@ class GenerateSamplesActor:
     def _batch(self, target_version: int) -> tuple:
         """batch_size valid groups, none staler than the limit at the version they will be trained at."""
         size, groups, metrics = self.cfg.rollout.batch_size, [], {}
-        dropped = 0
+        dropped, used = 0, {}  # used: stream position -> dataset row, for the prompts this batch used up
+
+        def carried() -> dict:
+            return {r["prompt"]["position"]: r["prompt"]["id"] for r in self.controller.carried}
+
+        def next_prompt() -> dict:
+            prompt = self.sampler.next()
+            used[prompt["position"]] = prompt["id"]
+            return prompt
+
         while len(groups) < size:
-            got, m = self.controller.run(lambda: self.sampler.next_batch(1)[0], size - len(groups))
+            used.update(carried())
+            got, m = self.controller.run(next_prompt, size - len(groups))
+            for position in carried():
+                used.pop(position, None)
             fresh = [g for g in got if is_fresh(g, target_version, self.cfg.staleness_limit)]
             dropped += len(got) - len(fresh)
             groups += fresh
             _merge_rollout_metrics(metrics, m)
         metrics["rollout/stale_groups_dropped"] = dropped
-        return groups, metrics
+        return groups, metrics, sorted(used.items())
 
     def run(self, num_items: int) -> dict:
         items_per_sync, slack = self.window
@@ -99,13 +115,18 @@ class GenerateSamplesActor:
                     if self.stopped.wait(0.02):
                         return {"items": index, "stopped": True}
                 t1 = time.perf_counter()
-                groups, metrics = self._batch(base + trained_version(index, items_per_sync))
+                self.timeline.add("wait", time.time() - (t1 - t0), time.time())
+                with self.timeline.span("generate"):
+                    groups, metrics, used = self._batch(base + trained_version(index, items_per_sync))
                 idle += t1 - t0
                 metrics["rollouter/idle_ratio"] = idle / max(1e-9, time.perf_counter() - start)
                 metrics["rollouter/gate_wait_s"] = t1 - t0
                 t2 = time.perf_counter()
-                if not _put(self.queue, {"index": index, "groups": groups, "metrics": metrics}, self.stopped):
-                    return {"items": index, "stopped": True}
+                with self.timeline.span("wait"):
+                    item = {"index": index, "groups": groups, "metrics": metrics, "used": used,
+                            "spans": self.timeline.take()}
+                    if not _put(self.queue, item, self.stopped):
+                        return {"items": index, "stopped": True}
                 idle += time.perf_counter() - t2
             _put(self.queue, END, self.stopped)
             return {"items": num_items, "idle_ratio": idle / max(1e-9, time.perf_counter() - start)}
@@ -114,16 +135,25 @@ class GenerateSamplesActor:
 
 
 class TrainingActor:
-    """Takes batches off the queue, trains on the fresh ones, syncs weights to the engines and evaluates."""
+    """Takes batches off the queue, trains on the fresh ones, syncs weights to the engines, evaluates, and saves
+    resumable checkpoints. Each step's record also carries the prompts it used up ("_used") and every actor's
+    activity spans ("_spans"), which the metrics log writes to their own files."""
 
     def __init__(self, cfg, policy, weight_sync, engines: list, queue, metrics_queue, eval_prompts: list,
-                 stand_in_train_s: float = None):
+                 num_prompts: int, resumed: dict = None, stand_in_train_s: float = None):
+        """resumed: the trainer state of the checkpoint this run continues from (see trainer/checkpoint.py)."""
+        from openrlhf_async.data.prompts import StreamProgress
+
         self.cfg, self.policy, self.weight_sync, self.engines = cfg, policy, weight_sync, engines
         self.queue, self.metrics_queue, self.eval_prompts = queue, metrics_queue, eval_prompts
         self.stand_in_train_s = stand_in_train_s  # benchmarks: a timed stand-in for the optimizer step
         self.stopped = threading.Event()
-        # Continue from the version the engines hold (tests and benchmarks reuse engines across runs).
+        # Continue from the version the engines hold (tests and benchmarks reuse engines across runs; a resumed
+        # run has synced the checkpoint's weights and version to them).
         self.weight_sync.version = min(get_all([e.get_weight_version.remote() for e in engines]))
+        self.num_prompts, self.resumed = num_prompts, resumed
+        self.progress = StreamProgress(**resumed["data_position"]) if resumed else StreamProgress()
+        self.timeline = Timeline("trainer")
 
     def stop(self) -> None:
         self.stopped.set()
@@ -131,7 +161,32 @@ class TrainingActor:
     def _evaluate(self):
         from openrlhf_async.trainer.ppo_trainer import evaluate
 
-        return evaluate(self.cfg, self.engines, self.eval_prompts)
+        with self.timeline.span("eval"):
+            return evaluate(self.cfg, self.engines, self.eval_prompts)
+
+    def _spans(self, items: list) -> list:
+        """Every actor's spans since the last step; an actor that died meanwhile has none."""
+        import ray
+
+        spans = self.timeline.take() + [span for item in items for span in item["spans"]]
+        for ref in [a.take_spans.remote() for a in self.engines + self.policy.actors]:
+            try:
+                spans += ray.get(ref, timeout=30)
+            except Exception:
+                pass
+        return spans
+
+    def _save_checkpoint(self, step: int, scores_start) -> None:
+        from openrlhf_async.trainer import checkpoint
+
+        deadline = time.time() + 30  # the step's record must be in metrics.jsonl before the checkpoint exists
+        while self.metrics_queue.qsize() and time.time() < deadline:
+            time.sleep(0.05)
+        state = {"weight_version": self.weight_sync.version, "eval_start": scores_start,
+                 "data_position": self.progress.state(),
+                 "data": {"num_prompts": self.num_prompts, "seed": self.cfg.train.seed}}
+        with self.timeline.span("checkpoint"):
+            checkpoint.save(self.cfg.ckpt_path, step, self.policy, state, self.cfg.ckpt.max_num)
 
     def _train(self, groups: list) -> dict:
         from openrlhf_async.trainer.losses import group_advantages
@@ -152,32 +207,41 @@ class TrainingActor:
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         pause_mode = "keep" if t.partial_rollout else "wait"
-        scores = scores_start = self._evaluate()
-        if scores is not None:
-            self.metrics_queue.put({"step": 0, **scores, "weight_version": 0})
+        if self.resumed:
+            first_step, scores = self.resumed["step"] + 1, None
+            scores_start = self.resumed["eval_start"]
+        else:
+            first_step, scores = 1, self._evaluate()
+            scores_start = scores
+            if scores is not None:
+                self.metrics_queue.put({"step": 0, **scores, "weight_version": 0, "_spans": self.timeline.take()})
         start, idle, stale_trained, dropped_total, max_staleness = time.perf_counter(), 0.0, 0, 0, 0
-        for step in range(1, t.max_steps + 1):
+        for step in range(first_step, t.max_steps + 1):
             t0 = time.perf_counter()
             depth = self.queue.qsize()
             items = []
-            for _ in range(t.require_batches):
-                item = _get(self.queue, self.stopped)
-                if item is None:
-                    return {"stopped": True}
-                if item == END:
-                    raise RuntimeError(f"the generator ended at step {step}, before --train.max_steps {t.max_steps}")
-                items.append(item)
+            with self.timeline.span("wait"):
+                for _ in range(t.require_batches):
+                    item = _get(self.queue, self.stopped)
+                    if item is None:
+                        return {"stopped": True}
+                    if item == END:
+                        raise RuntimeError(f"the generator ended at step {step}, before --train.max_steps "
+                                           f"{t.max_steps}")
+                    items.append(item)
             t1 = time.perf_counter()
             version = self.weight_sync.version
             groups = [g for item in items for g in item["groups"]]
             fresh = [g for g in groups if is_fresh(g, version, cfg.staleness_limit)]
             dropped = len(groups) - len(fresh)
             report = version_report(fresh, version)
-            stats = self._train(fresh) if fresh else {}
+            with self.timeline.span("train"):
+                stats = self._train(fresh) if fresh else {}
             t2 = time.perf_counter()
             sync_s = 0.0
             if step % t.trigger_parameter_sync_step == 0 or step == t.max_steps:
-                sync_s = self.weight_sync.sync(pause_mode)
+                with self.timeline.span("sync"):
+                    sync_s = self.weight_sync.sync(pause_mode)
             t3 = time.perf_counter()
             idle += t1 - t0
             dropped_total += dropped
@@ -204,8 +268,16 @@ class TrainingActor:
                 scores = self._evaluate()
                 metrics.update(scores)
                 metrics["timing/eval_s"] = time.perf_counter() - t4
+            used = [u for item in items for u in item["used"]]
+            self.progress.add(position for position, _ in used)
+            metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
+            metrics["_spans"] = self._spans(items)
             self.metrics_queue.put(metrics)
             start += metrics.get("timing/eval_s", 0.0)  # evaluation is neither training nor idling
+            if cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0:
+                t5 = time.perf_counter()
+                self._save_checkpoint(step, scores_start)
+                start += time.perf_counter() - t5
         busy_s = time.perf_counter() - start
         return {"eval_start": scores_start, "eval_end": scores,
                 "trainer_idle_ratio": idle / max(1e-9, busy_s), "max_staleness": max_staleness,
@@ -217,18 +289,21 @@ class PPOTrainerAsync:
     when either fails (raising its error) or training is done."""
 
     def __init__(self, cfg, engines: list, policy, weight_sync, train_prompts: list, eval_prompts: list,
-                 stand_in_train_s: float = None):
+                 resumed: dict = None, stand_in_train_s: float = None):
+        """resumed: the trainer state of the checkpoint to continue from (its weights are loaded and synced)."""
         import ray
         from ray.util.queue import Queue
 
         self.cfg = cfg
+        self.first_step = resumed["step"] + 1 if resumed else 1
         self.queue = Queue(maxsize=cfg.queue_size, actor_options={"num_cpus": 0})
         self.metrics_queue = Queue(actor_options={"num_cpus": 0})
         options = {"num_cpus": 0, "max_concurrency": 2}  # run() blocks; stop() must still get through
         self.generator = ray.remote(GenerateSamplesActor).options(**options).remote(
-            cfg, engines, train_prompts, self.queue)
+            cfg, engines, train_prompts, self.queue, resumed and resumed["data_position"])
         self.trainer = ray.remote(TrainingActor).options(**options).remote(
-            cfg, policy, weight_sync, engines, self.queue, self.metrics_queue, eval_prompts, stand_in_train_s)
+            cfg, policy, weight_sync, engines, self.queue, self.metrics_queue, eval_prompts, len(train_prompts),
+            resumed, stand_in_train_s)
 
     def _drain_metrics(self, log) -> None:
         while self.metrics_queue.qsize():
@@ -238,7 +313,7 @@ class PPOTrainerAsync:
         """log(metrics) receives every step's metrics, in order. Returns the trainer's summary."""
         import ray
 
-        num_items = self.cfg.train.max_steps * self.cfg.train.require_batches
+        num_items = (self.cfg.train.max_steps - self.first_step + 1) * self.cfg.train.require_batches
         roles = {self.generator.run.remote(num_items): "generator", self.trainer.run.remote(): "trainer"}
         summary, generator_result = None, None
         try:

@@ -10,6 +10,7 @@ import torch
 
 from openrlhf_async.trainer.losses import policy_loss, token_logprobs
 from openrlhf_async.utils.ray_utils import get_all
+from openrlhf_async.utils.timeline import Timeline
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -105,6 +106,10 @@ class PolicyActor:
             self.reference, *_ = deepspeed.initialize(model=ref_model.eval().requires_grad_(False), config=ds_config)
         self.model_path = model_path
         self.sync_group = None
+        self.timeline = Timeline(f"rank {rank}")
+
+    def take_spans(self) -> list:
+        return self.timeline.take()
 
     def ready(self) -> bool:
         return True
@@ -142,6 +147,10 @@ class PolicyActor:
         """One optimizer step over this rank's samples; the loss is a token mean over the global batch.
         Every rank runs the same number of micro batches: ZeRO-3 gathers parameters collectively per forward.
         loss_cfg: eps_low, eps_high, correction, clamp, band, kl_coef, temperature (see losses.policy_loss)."""
+        with self.timeline.span("train"):
+            return self._train_step(samples, global_tokens, num_micro_batches, loss_cfg)
+
+    def _train_step(self, samples: list, global_tokens: int, num_micro_batches: int, loss_cfg: dict) -> dict:
         self.engine.train()
         totals = dict.fromkeys(["loss", "clipped", "corrected", "weight", "kl"], 0.0)
         tokens = 0
@@ -209,12 +218,13 @@ class PolicyActor:
         import deepspeed
 
         params = dict(self.engine.module.named_parameters())
-        for bucket in buckets:
-            tensors = [params[name] for name, _, _ in bucket]
-            with deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
-                if self.rank == 0:
-                    flat = torch.cat([t.data.reshape(-1) for t in tensors])
-                    self.sync_group.broadcast(flat, root=0).wait()
+        with self.timeline.span("sync"):
+            for bucket in buckets:
+                tensors = [params[name] for name, _, _ in bucket]
+                with deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
+                    if self.rank == 0:
+                        flat = torch.cat([t.data.reshape(-1) for t in tensors])
+                        self.sync_group.broadcast(flat, root=0).wait()
 
     def read_weight(self, name: str) -> torch.Tensor:
         import deepspeed
@@ -222,6 +232,20 @@ class PolicyActor:
         param = dict(self.engine.module.named_parameters())[name]
         with deepspeed.zero.GatheredParameters([param], enabled=self.zero_stage == 3):
             return param.data.detach().float().cpu().clone()
+
+    # ---- resumable checkpoints (trainer/checkpoint.py) ------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        """This rank's DeepSpeed state (its ZeRO shards of weights and optimizer) and torch random state."""
+        with self.timeline.span("checkpoint"):
+            self.engine.save_checkpoint(path, tag="deepspeed", client_state={"torch_rng": torch.get_rng_state()},
+                                        save_latest=False)
+
+    def load_checkpoint(self, path: str) -> None:
+        loaded, client_state = self.engine.load_checkpoint(path, tag="deepspeed")
+        if loaded is None:
+            raise RuntimeError(f"rank {self.rank}: no DeepSpeed state in {path}")
+        torch.set_rng_state(client_state["torch_rng"])
 
     def save_hf(self, path: str) -> None:
         """Save an HF-format checkpoint (config, full weights, tokenizer) from rank 0."""

@@ -34,11 +34,13 @@ def eval_scores(correct: list) -> dict:
             "eval/accuracy": mean_at_k}
 
 
-def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
-    """Run the whole training in the configured mode; returns the summary written to <run dir>/summary.json."""
+def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) -> dict:
+    """Run the whole training in the configured mode; returns the summary written to <run dir>/summary.json.
+    resume: (checkpoint folder, its trainer state) to continue from (checkpoint.find_resume)."""
     from transformers import AutoTokenizer
 
     from openrlhf_async.rollout.engine import create_engines
+    from openrlhf_async.trainer import checkpoint
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
@@ -57,12 +59,20 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
     policy = PolicyGroup(cfg, model_path)
     get_all([e.ready.remote() for e in engines])
     weight_sync = WeightSync(policy, engines, cfg)
+    resumed = None
+    if resume is not None:
+        path, resumed = resume
+        checkpoint.load(path, policy)
+        weight_sync.sync(version=resumed["weight_version"])  # the engines start from the checkpoint's weights
+        print(f"resumed from {path}: step {resumed['step']}, weight version {resumed['weight_version']}", flush=True)
     setup_s = time.perf_counter() - start
-    log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress, logger=cfg.logger, config=cfg)
+    log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress, logger=cfg.logger, config=cfg,
+                     resume_step=resumed and resumed["step"])
     try:
-        result = PPOTrainerAsync(cfg, engines, policy, weight_sync, train_prompts, eval_prompts).run(log.log)
+        result = PPOTrainerAsync(cfg, engines, policy, weight_sync, train_prompts, eval_prompts, resumed).run(log.log)
     finally:
         log.close()
+    _report(cfg.run_dir)
 
     output_dir = cfg.ckpt.output_dir or os.path.join(cfg.run_dir, "final_hf")
     get_all(policy.call("save_hf", output_dir))
@@ -82,7 +92,20 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list) -> dict:
         "stale_samples_trained": result["stale_samples_trained"],
         "stale_groups_dropped": result["stale_groups_dropped"],
         "checkpoint": output_dir,
+        "resumed_from_step": resumed and resumed["step"],
     }
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def _report(run_dir: str) -> None:
+    """The run's pictures (learning curves, actor timeline); a failure here must not fail a finished run."""
+    from openrlhf_async.cli.report import write_report
+    from openrlhf_async.utils.metrics import one_line, warn
+
+    try:
+        write_report(run_dir)
+    except Exception as e:
+        warn(f"the run's report could not be drawn ({one_line(e)}); retry with "
+             f"python -m openrlhf_async.cli.report {run_dir}")

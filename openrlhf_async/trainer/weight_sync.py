@@ -41,11 +41,12 @@ class WeightSync:
         self.version = 0
         self.engine_version = 0  # the oldest version any engine reported loading
 
-    def sync(self, pause_mode: str = "wait") -> float:
-        """Broadcast the current policy to every engine; returns the seconds it took. The engines pause meanwhile:
-        "wait" lets running requests finish on the old weights first, "keep" freezes them (partial rollout)."""
+    def sync(self, pause_mode: str = "wait", version: int = None) -> float:
+        """Broadcast the current policy to every engine as the next version (or the given one: a resumed run's);
+        returns the seconds it took. The engines pause meanwhile: "wait" lets running requests finish on the old
+        weights first, "keep" freezes them (partial rollout)."""
         start = time.perf_counter()
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         results = get_all(self.policy.call("broadcast_weights", self.buckets)
                           + [e.receive_weights.remote(self.buckets, self.version, pause_mode) for e in self.engines])
         self.engine_version = min(results[len(self.policy.actors):])

@@ -1,5 +1,7 @@
 """Per-step metrics under one set of names: one JSON object per line in <run dir>/metrics.jsonl, a console
-progress bar, and optionally TensorBoard scalars (<run dir>/tensorboard) and Weights & Biases (<run dir>/wandb)."""
+progress bar, and optionally TensorBoard scalars (<run dir>/tensorboard) and Weights & Biases (<run dir>/wandb).
+Two side records go to their own files, one JSON object per line with its step: the prompts each step used up
+(used_prompts.jsonl) and the actors' activity spans (timeline.jsonl)."""
 
 import dataclasses
 import json
@@ -24,17 +26,20 @@ def one_line(e: Exception) -> str:
 
 class MetricsLog:
     def __init__(self, run_dir: str, total_steps: int, progress: bool = True, logger=None, config=None,
-                 wandb_close_timeout_s: float = 60.0):
+                 wandb_close_timeout_s: float = 60.0, resume_step: int = None):
         """logger: the LoggerConfig choosing the extra backends; config: the run's Config (or a dict), recorded
-        once in each."""
+        once in each. resume_step: continue a run's records after this step (what came later is dropped: that
+        part of the run was lost with the process and is trained again)."""
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.file = open(self.path, "w", buffering=1)  # a new run starts a new record
+        self.file, self.used_file, self.timeline_file = (
+            _open_record(os.path.join(run_dir, name), resume_step)
+            for name in ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl"))
         self.bar = None
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="RL", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc="RL", unit="step", dynamic_ncols=True)
         self.last_accuracy = None
         self.tensorboard = None
         self.wandb = None
@@ -57,8 +62,13 @@ class MetricsLog:
                                               config=json.loads(config_text)), wandb_close_timeout_s)
 
     def log(self, metrics: dict) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
         step = metrics.get("step")
+        used, spans = metrics.pop("_used", None), metrics.pop("_spans", ())
+        if used is not None:
+            self.used_file.write(json.dumps({"step": step, **used}) + "\n")
+        for span in spans:
+            self.timeline_file.write(json.dumps({**span, "step": step}) + "\n")
+        self.file.write(json.dumps(metrics) + "\n")
         if self.tensorboard is not None:
             for name, value in scalars(metrics).items():
                 self.tensorboard.add_scalar(name, value, global_step=step)
@@ -81,11 +91,31 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.file.close()
+        for f in (self.file, self.used_file, self.timeline_file):
+            f.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.close()
+
+
+def _open_record(path: str, resume_step):
+    """A JSON-lines record of steps, line-buffered: new, or (resuming) kept up to resume_step and continued."""
+    if resume_step is None:
+        return open(path, "w", buffering=1)
+    kept = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):  # a line cut short by the kill
+                    pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return open(path, "a", buffering=1)
 
 
 class WandbWriter:
