@@ -7,6 +7,7 @@ import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_process_group_cleanup_enabled", "1")  # as train_async sets it: engines killed in tests
 
 
 @pytest.fixture(scope="session")

@@ -60,15 +60,26 @@ def _start_long_run(tmp_path, model_path, name, *flags, until_step=2, until_file
     steps (and until_file exists)."""
     proc = subprocess.Popen(_command(tmp_path, model_path, name, *flags), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_ADDRESS": ""})
-    metrics = tmp_path / "runs" / name / "metrics.jsonl"
-    deadline = time.time() + 400
+    _wait_for_step(proc, tmp_path / "runs" / name / "metrics.jsonl", until_step, until_file)
+    return proc
+
+
+def _wait_for_step(proc, metrics, step: int, until_file=None, timeout_s: float = 400) -> None:
+    deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
-        if (metrics.exists() and any(json.loads(l)["step"] >= until_step for l in metrics.read_text().splitlines())
+        if (metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines())
                 and (until_file is None or until_file.exists())):
             break
         time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    return proc
+
+
+def _write_sums(path) -> None:
+    """400 prompts "a+b=" with their sums as labels."""
+    with open(path, "w") as f:
+        for a in range(20):
+            for b in range(20):
+                f.write(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n")
 
 
 def _records(path) -> list:
@@ -78,10 +89,7 @@ def _records(path) -> list:
 def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path):
     import psutil
 
-    with open(tmp_path / "train.jsonl", "w") as f:  # more prompts than the run uses: an id seen twice is an error
-        for a in range(20):
-            for b in range(20):
-                f.write(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n")
+    _write_sums(tmp_path / "train.jsonl")  # more prompts than the run uses: an id seen twice is an error
     flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--mode", "async", "--ckpt.save_steps", "2"]
     run_dir = tmp_path / "runs" / "resume"
     proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3,
@@ -122,15 +130,51 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     assert summary["resumed_from_step"] == resumed_from and summary["steps"] == resumed_from + 3
 
 
-def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_path):
+HANGING_REWARD = """
+import asyncio
+
+async def reward_func(queries, prompts, labels, **kwargs):
+    rewards = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        if int(label) % 5 == 0:  # a fifth of the prompts: the reward never answers
+            await asyncio.sleep(3600)
+        rewards.append(float(label in query[len(prompt):]))
+    return {"rewards": rewards}
+"""
+
+
+def test_faults_a_hung_reward_and_a_dead_engine_are_survived_a_dead_rank_stops_the_run_keeping_its_checkpoint(
+        tmp_path, tiny_model_path):
     import psutil
 
-    proc = _start_long_run(tmp_path, tiny_model_path, "fault", "--ckpt.save_steps", "1")
-    # The rank actors of this run's own Ray cluster are descendants of the command.
+    _write_sums(tmp_path / "train.jsonl")
+    (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
+    proc = _start_long_run(tmp_path, tiny_model_path, "faults", "--vllm.num_engines", "2", "--mode", "async",
+                           "--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--ckpt.save_steps", "1",
+                           "--reward.remote_url", str(tmp_path / "hanging_reward.py"), "--reward.timeout", "1",
+                           "--reward.max_error_ratio", "0.9")
+    run_dir = tmp_path / "runs" / "faults"
+    # This run's own Ray cluster, actors and vLLM processes are descendants of the command.
     descendants = psutil.Process(proc.pid).children(recursive=True)
     ranks = [p for p in descendants if "PolicyActor" in " ".join(p.cmdline())]
+    engine_actors = [p for p in descendants if "ray::LLMRayActorAsync" in " ".join(p.cmdline())]
     engine_procs = [p for p in descendants if "VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline())]
-    assert ranks and engine_procs
+    assert len(ranks) == 2 and len(engine_actors) == 2
+
+    # An engine dies during rollout: its groups go to the other one, the next sync leaves it out, training goes on.
+    engine_actors[0].kill()
+    killed_after = max(m["step"] for m in _records(run_dir / "metrics.jsonl"))
+    _wait_for_step(proc, run_dir / "metrics.jsonl", killed_after + 3)
+    later = [m for m in _records(run_dir / "metrics.jsonl") if m["step"] > killed_after]
+    assert later[-1]["rollout/engines_alive"] == 1
+    assert [m["weight_version"] for m in later] == [m["step"] for m in later], "a sync failed or was skipped"
+    metrics = _records(run_dir / "metrics.jsonl")
+    failures = {k: sum(m.get(k, 0) for m in metrics) for k in
+                ("rollout/engine_failures", "rollout/groups_rerouted", "rollout/reward_timeouts")}
+    print(f"engine killed after step {killed_after}; run continued to step {later[-1]['step']}: {failures}")
+    assert failures["rollout/reward_timeouts"] > 0, "the hanging reward was not timed out"
+
+    # A policy rank dies: the run stops with that error, and the last complete checkpoint stays usable.
     killed_at = time.time()
     ranks[-1].kill()
     _, err = proc.communicate(timeout=120)
@@ -138,13 +182,13 @@ def test_a_dying_policy_rank_stops_the_run_with_its_error(tmp_path, tiny_model_p
     assert time.time() - killed_at < 60, "the run took too long to stop"
     last = err.strip().splitlines()[-1]
     assert last.startswith("error:") and "Actor" in last, err[-2000:]
-    _, alive = psutil.wait_procs(engine_procs, timeout=30)
+    _, alive = psutil.wait_procs([p for p in engine_procs if p.is_running()], timeout=30)
     assert not alive, f"orphaned engine processes: {[p.cmdline() for p in alive]}"
-    # The last complete checkpoint is intact: every rank's state is there and a resume would start from it.
-    ckpt = tmp_path / "runs" / "fault" / "ckpt"
+    ckpt = run_dir / "ckpt"
     newest = max((p for p in ckpt.iterdir() if not p.name.endswith(".partial")), key=lambda p: int(p.name[5:]))
     assert len(list((newest / "deepspeed").glob("*optim_states.pt"))) == 2
-    dry = subprocess.run(_command(tmp_path, tiny_model_path, "fault", "--ckpt.resume", "--dry_run"),
+    dry = subprocess.run(_command(tmp_path, tiny_model_path, "faults", "--ckpt.resume", "--dry_run",
+                                  "--data.prompt_dataset", str(tmp_path / "train.jsonl")),
                          capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
     report = json.loads(dry.stdout[: dry.stdout.rindex("}") + 1])

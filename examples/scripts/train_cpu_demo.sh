@@ -2,7 +2,7 @@
 # The CPU demo as a Ray job: the embedded tiny model on the built-in arithmetic task, fully asynchronous with
 # partial rollout (what `make demo` runs, minus the job submission).
 # Resources: CPU only: 1 vLLM-CPU engine + 2 DeepSpeed ZeRO-3 ranks (gloo), on a cluster started with
-#   ray start --head --dashboard-host 127.0.0.1
+#   RAY_process_group_cleanup_enabled=1 ray start --head --dashboard-host 127.0.0.1
 # Usage: bash examples/scripts/train_cpu_demo.sh [--dry_run] [more flags]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"

@@ -105,6 +105,9 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # CPU actors need no device masking
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")  # the run reports its first failure itself
+    # A Ray cluster this run starts kills a dead worker's whole process group: an engine actor killed outright
+    # (SIGKILL, the OOM killer) must not leave its vLLM processes holding the device.
+    os.environ.setdefault("RAY_process_group_cleanup_enabled", "1")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     try:

@@ -435,6 +435,24 @@ class RolloutController:
                 task.cancel()
 
 
+def live_versions(engines: list, timeout_s: float = 60.0) -> dict:
+    """{index: loaded weight version} of the engines whose actor is alive; raises when none is."""
+    import ray
+
+    refs = [e.get_weight_version.remote() for e in engines]
+    versions, error = {}, None
+    for i, ref in enumerate(refs):
+        try:
+            versions[i] = ray.get(ref, timeout=timeout_s)
+        except Exception as e:
+            if not _engine_died(e):
+                raise
+            error = e
+    if not versions:
+        raise RuntimeError(f"all {len(engines)} vLLM engines died; last error: {type(error).__name__}: {error}")
+    return versions
+
+
 async def _awaitable(ref):
     return await ref
 

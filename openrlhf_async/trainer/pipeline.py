@@ -18,7 +18,7 @@ import torch
 
 from openrlhf_async.trainer.staleness import (is_fresh, may_produce, production_window, trained_version,
                                               version_report)
-from openrlhf_async.utils.ray_utils import get_all
+from openrlhf_async.rollout.controller import live_versions
 from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
@@ -77,7 +77,7 @@ class GenerateSamplesActor:
         self.stopped.set()
 
     def _version(self) -> int:
-        return min(get_all([e.get_weight_version.remote() for e in self.engines]))
+        return min(live_versions(self.engines).values())
 
     def _batch(self, target_version: int) -> tuple:
         """batch_size valid groups, none staler than the limit at the version they will be trained at."""
@@ -139,18 +139,18 @@ class TrainingActor:
     resumable checkpoints. Each step's record also carries the prompts it used up ("_used") and every actor's
     activity spans ("_spans"), which the metrics log writes to their own files."""
 
-    def __init__(self, cfg, policy, weight_sync, engines: list, queue, metrics_queue, eval_prompts: list,
+    def __init__(self, cfg, policy, weight_sync, queue, metrics_queue, eval_prompts: list,
                  num_prompts: int, resumed: dict = None, stand_in_train_s: float = None):
         """resumed: the trainer state of the checkpoint this run continues from (see trainer/checkpoint.py)."""
         from openrlhf_async.data.prompts import StreamProgress
 
-        self.cfg, self.policy, self.weight_sync, self.engines = cfg, policy, weight_sync, engines
+        self.cfg, self.policy, self.weight_sync = cfg, policy, weight_sync
         self.queue, self.metrics_queue, self.eval_prompts = queue, metrics_queue, eval_prompts
         self.stand_in_train_s = stand_in_train_s  # benchmarks: a timed stand-in for the optimizer step
         self.stopped = threading.Event()
         # Continue from the version the engines hold (tests and benchmarks reuse engines across runs; a resumed
         # run has synced the checkpoint's weights and version to them).
-        self.weight_sync.version = min(get_all([e.get_weight_version.remote() for e in engines]))
+        self.weight_sync.version = min(live_versions(weight_sync.engines).values())
         self.num_prompts, self.resumed = num_prompts, resumed
         self.progress = StreamProgress(**resumed["data_position"]) if resumed else StreamProgress()
         self.timeline = Timeline("trainer")
@@ -161,15 +161,15 @@ class TrainingActor:
     def _evaluate(self):
         from openrlhf_async.trainer.ppo_trainer import evaluate
 
-        with self.timeline.span("eval"):
-            return evaluate(self.cfg, self.engines, self.eval_prompts)
+        with self.timeline.span("eval"):  # on the engines alive at the last sync
+            return evaluate(self.cfg, self.weight_sync.engines, self.eval_prompts)
 
     def _spans(self, items: list) -> list:
         """Every actor's spans since the last step; an actor that died meanwhile has none."""
         import ray
 
         spans = self.timeline.take() + [span for item in items for span in item["spans"]]
-        for ref in [a.take_spans.remote() for a in self.engines + self.policy.actors]:
+        for ref in [a.take_spans.remote() for a in self.weight_sync.engines + self.policy.actors]:
             try:
                 spans += ray.get(ref, timeout=30)
             except Exception:
@@ -262,6 +262,7 @@ class TrainingActor:
                 "timing/sync_s": sync_s,
                 "weight_version": self.weight_sync.version,
                 "engine_weight_version": self.weight_sync.engine_version,
+                "rollout/engines_alive": len(self.weight_sync.engines),
             })
             if self.eval_prompts and (step % cfg.eval.steps == 0 or step == t.max_steps):
                 t4 = time.perf_counter()
@@ -302,7 +303,7 @@ class PPOTrainerAsync:
         self.generator = ray.remote(GenerateSamplesActor).options(**options).remote(
             cfg, engines, train_prompts, self.queue, resumed and resumed["data_position"])
         self.trainer = ray.remote(TrainingActor).options(**options).remote(
-            cfg, policy, weight_sync, engines, self.queue, self.metrics_queue, eval_prompts, len(train_prompts),
+            cfg, policy, weight_sync, self.queue, self.metrics_queue, eval_prompts, len(train_prompts),
             resumed, stand_in_train_s)
 
     def _drain_metrics(self, log) -> None:

@@ -28,24 +28,45 @@ class WeightSync:
     def __init__(self, policy, engines: list, cfg):
         import ray
 
-        self.policy, self.engines = policy, engines
-        rank0 = policy.actors[0]
-        self.buckets = plan_buckets(ray.get(rank0.named_shapes.remote()), cfg.train.weight_sync_bucket_mb << 20)
-        host, port = ray.get(rank0.weight_sync_address.remote())
-        tp = cfg.vllm.tensor_parallel_size
-        world = 1 + len(engines) * tp
-        # Every member must join at once: the rendezvous blocks until the whole group is there.
-        get_all([rank0.init_weight_sync_group.remote(host, port, world, cfg.backend)] + [
-            e.init_weight_sync_group.remote(host, port, 1 + i * tp, world, cfg.backend) for i, e in enumerate(engines)
-        ])
+        self.policy, self.engines = policy, list(engines)  # engines: the live ones, those in the group
+        self.tp, self.backend = cfg.vllm.tensor_parallel_size, cfg.backend
+        self.buckets = plan_buckets(ray.get(policy.actors[0].named_shapes.remote()),
+                                    cfg.train.weight_sync_bucket_mb << 20)
+        self._connect()
         self.version = 0
         self.engine_version = 0  # the oldest version any engine reported loading
+
+    def _connect(self) -> None:
+        """Form the group of trainer rank 0 and every worker of self.engines."""
+        import ray
+
+        rank0 = self.policy.actors[0]
+        host, port = ray.get(rank0.weight_sync_address.remote())
+        world = 1 + len(self.engines) * self.tp
+        # Every member must join at once: the rendezvous blocks until the whole group is there.
+        get_all([rank0.init_weight_sync_group.remote(host, port, world, self.backend)] + [
+            e.init_weight_sync_group.remote(host, port, 1 + i * self.tp, world, self.backend)
+            for i, e in enumerate(self.engines)
+        ])
+
+    def drop_dead_engines(self) -> int:
+        """Leave out engines whose actor died (the rollout reroutes their groups): a new group is formed with the
+        live ones, since a collective with a dead member fails. Returns how many were dropped."""
+        from openrlhf_async.rollout.controller import live_versions
+
+        alive = live_versions(self.engines)
+        dropped = len(self.engines) - len(alive)
+        if dropped:
+            self.engines = [self.engines[i] for i in sorted(alive)]
+            self._connect()
+        return dropped
 
     def sync(self, pause_mode: str = "wait", version: int = None) -> float:
         """Broadcast the current policy to every engine as the next version (or the given one: a resumed run's);
         returns the seconds it took. The engines pause meanwhile: "wait" lets running requests finish on the old
         weights first, "keep" freezes them (partial rollout)."""
         start = time.perf_counter()
+        self.drop_dead_engines()
         self.version = self.version + 1 if version is None else version
         results = get_all(self.policy.call("broadcast_weights", self.buckets)
                           + [e.receive_weights.remote(self.buckets, self.version, pause_mode) for e in self.engines])
