@@ -1,5 +1,6 @@
 """A vLLM engine actor killed mid-rollout on the real stack: its groups rerun on the surviving engine and the batch
-completes. Uses two engines of its own, since the session's engines are shared with other tests."""
+completes. The victim is an engine of its own (the session's engines are shared with other tests); the survivor is
+one of the session's."""
 
 import copy
 import itertools
@@ -14,12 +15,12 @@ from openrlhf_async.rollout.controller import RolloutController
 from openrlhf_async.rollout.engine import create_engines
 
 
-def test_killing_an_engine_mid_rollout_reroutes_its_groups(ray_cluster, stack_cfg, tiny_model_path):
+def test_killing_an_engine_mid_rollout_reroutes_its_groups(ray_cluster, stack_cfg, tiny_model_path, engines):
     from transformers import AutoTokenizer
 
     cfg = copy.deepcopy(stack_cfg)
-    cfg.vllm.num_engines = 2
-    engines = create_engines(cfg, tiny_model_path)
+    cfg.vllm.num_engines = 1
+    engines = [engines[0], create_engines(cfg, tiny_model_path)[0]]
     rows = make_arithmetic_rows(16, seed=5, split="train")
     prompts = itertools.cycle(tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows,
                                                apply_chat_template=True))
@@ -52,5 +53,4 @@ def test_killing_an_engine_mid_rollout_reroutes_its_groups(ray_cluster, stack_cf
         assert ray.get(engines[0].unfinished.remote()) == {"vllm": 0, "actor": 0}
     finally:
         thread.join(timeout=300)
-        for engine in engines:
-            ray.kill(engine)  # a second kill of the dead one is a no-op
+        ray.kill(engines[1])  # a second kill is a no-op

@@ -72,6 +72,35 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     assert '"run_name": "demo"' in config_text and '"use_tensorboard": false' in config_text
 
 
+def test_a_resumed_log_continues_every_record_after_the_checkpoint_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = str(tmp_path / "run")
+    tb = LoggerConfig(use_tensorboard=True)
+    killed = MetricsLog(run_dir, 3, progress=False, logger=tb)
+    for step in (1, 2, 3):  # the killed run got to step 3; its checkpoint is from step 1
+        killed.log({"step": step, "reward/mean": 0.1 * step, "_used": {"positions": [step], "prompt_ids": [step]},
+                    "_spans": [{"actor": "trainer", "kind": "train", "start": step, "end": step + 0.5}]})
+    killed.close()
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "rew')  # cut short by the kill
+
+    resumed = MetricsLog(run_dir, 3, progress=False, logger=tb, resume_step=1)
+    for step in (2, 3):
+        resumed.log({"step": step, "reward/mean": 0.5 * step, "_used": {"positions": [10 + step], "prompt_ids": [0]},
+                     "_spans": []})
+    resumed.close()
+
+    assert [(m["step"], m["reward/mean"]) for m in read_jsonl(run_dir)] == [(1, 0.1), (2, 1.0), (3, 1.5)]
+    with open(os.path.join(run_dir, "used_prompts.jsonl")) as f:
+        assert [json.loads(line)["positions"] for line in f] == [[1], [12], [13]]
+    with open(os.path.join(run_dir, "timeline.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1]
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("reward/mean")] == [(1, 0.1), (2, 1.0), (3, 1.5)]
+
+
 def test_progress_bar_shows_staleness(tmp_path, capsys):
     log = MetricsLog(str(tmp_path / "run"), 3, progress=True)
     log_steps(log)

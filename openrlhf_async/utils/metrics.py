@@ -49,7 +49,9 @@ class MetricsLog:
         if logger is not None and logger.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # Resuming: TensorBoard hides what the killed run logged after the checkpoint.
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                             purge_step=None if resume_step is None else resume_step + 1)
             # Indented four spaces: TensorBoard renders text as Markdown, and this keeps the JSON a code block.
             self.tensorboard.add_text("config", "\n".join("    " + line for line in config_text.splitlines()))
         if logger is not None and logger.use_wandb:
