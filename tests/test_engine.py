@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import ray
 
 from openrlhf_async.trainer.weight_sync import plan_buckets
@@ -20,10 +21,16 @@ def _wait_for_load(engine, expected, timeout=30):
 
 def test_abort_ends_a_running_request_and_releases_load(engines):
     engine = engines[0]
-    ref = engine.generate.remote([3, 20, 21, 4], LONG, "abort-me")
-    assert _wait_for_load(engine, 1)
-    ray.get(engine.pause.remote("keep"))  # frozen, so the abort cannot lose a race with the last token
-    ray.get(engine.abort.remote(["abort-me"]))
+    for attempt in range(3):
+        ref = engine.generate.remote([3, 20, 21, 4], LONG, f"abort-me-{attempt}")
+        assert _wait_for_load(engine, 1)
+        ray.get(engine.pause.remote("keep"))  # frozen, so the abort cannot lose a race with the last token
+        if not ray.wait([ref], timeout=0.5)[0]:
+            break
+        ray.get(engine.resume.remote())  # a fast machine wrote all 250 tokens before the pause: again
+    else:
+        pytest.fail("the request finished before the engine could be paused, three times")
+    ray.get(engine.abort.remote([f"abort-me-{attempt}"]))
     ray.get(engine.resume.remote())
     out = ray.get(ref, timeout=30)
     assert out["finish_reason"] == "abort"

@@ -70,6 +70,13 @@ def test_each_mode_trains_within_its_staleness_limit(mode, train, engines, polic
                     "staleness/stale_samples", "timing/sync_s", "is_weight_mean"):
             assert key in m
     assert summary["max_staleness"] <= cfg.staleness_limit and summary["stale_groups_dropped"] == 0
+    # The prompt stream as a checkpoint records it: each position used up once, by the batch that resolved it.
+    used = [p for m in steps for p in m["_used"]["positions"]]
+    assert len(used) == len(set(used)), "a prompt was used up twice"
+    assert all(len(m["_used"]["positions"]) >= m["rollout/groups_accepted"] for m in steps)
+    # Drawn and not used up: only groups still running at the end (carried over, never trained).
+    missing = set(range(max(used) + 1)) - set(used)
+    assert len(missing) <= (steps[-1]["rollout/groups_carried_out"] if mode == "fully_async" else 0)
     if mode == "sync":
         assert summary["max_staleness"] == 0 and summary["stale_samples_trained"] == 0
     for engine in engines:  # the generator aborted what it had left running

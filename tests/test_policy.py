@@ -47,3 +47,35 @@ def test_zero3_gradients_match_a_single_process_reference(ray_cluster, stack_cfg
     finally:
         for actor in policy.actors:
             ray.kill(actor)
+
+
+def test_a_checkpoint_restores_weights_and_optimizer_exactly(policy, stack_cfg, tmp_path):
+    import os
+
+    from openrlhf_async.trainer import checkpoint
+    from openrlhf_async.trainer.policy import loss_settings
+    from openrlhf_async.utils.ray_utils import get_all
+
+    samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4 + i, 5, 6], "logprobs": [-1.0] * 3, "advantage": a,
+                "action_mask": [1, 1, 1]} for i, a in enumerate((1.0, -1.0, 0.5, -0.5))]
+    settings = loss_settings(stack_cfg)
+
+    def weight():
+        return get_all(policy.call("read_weight", "model.layers.0.mlp.down_proj.weight"))[0]
+
+    root = str(tmp_path / "ckpt")
+    policy.train_step(samples, 4, settings)  # the optimizer holds moments worth restoring
+    checkpoint.save(root, 1, policy, {"note": "test"}, keep=2)
+    saved = weight()
+    policy.train_step(samples, 4, settings)
+    one_step_on = weight()
+    assert not torch.equal(saved, one_step_on)
+    checkpoint.load(os.path.join(root, "step_1"), policy)
+    assert torch.equal(weight(), saved)
+    policy.train_step(samples, 4, settings)
+    assert torch.equal(weight(), one_step_on), "the same step from the checkpoint must give the same weights"
+
+    for step in (2, 3):
+        checkpoint.save(root, step, policy, {}, keep=2)
+    os.makedirs(os.path.join(root, "step_4.partial"))  # a save cut short by a kill
+    assert [step for step, _ in checkpoint.complete_checkpoints(root)] == [2, 3]
