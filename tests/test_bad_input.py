@@ -46,6 +46,9 @@ def run_cli(tmp_path, *flags):
         (["--eval.max_new_tokens", "256"], "--eval.max_new_tokens 256 must be below --data.max_len 256"),
         (["--actor.model_name_or_path", "./no/model"], "--actor.model_name_or_path ./no/model: no such model folder"),
         (["--logger.wandb_mode", "sometimes"], "--logger.wandb_mode 'sometimes': use online, offline or disabled"),
+        (["--ckpt.save_steps", "-1"], "--ckpt.save_steps -1 / --ckpt.max_num 2: need save_steps >= 0"),
+        (["--mode", "fully_async", "--train.trigger_parameter_sync_step", "2", "--ckpt.save_steps", "3"],
+         "--ckpt.save_steps 3 must be a multiple of --train.trigger_parameter_sync_step 2"),
     ],
 )
 def test_bad_flag_values(tmp_path, capsys, flags, expected):
@@ -120,3 +123,26 @@ def test_queue_size_from_the_environment_is_honoured_and_checked(tmp_path, capsy
     monkeypatch.setenv("OPENRLHF_ASYNC_QUEUE_SIZE", "0")
     assert run_cli(tmp_path, "--mode", "async") == 2
     assert "OPENRLHF_ASYNC_QUEUE_SIZE): must be at least 1" in capsys.readouterr().err
+
+
+def _fake_checkpoint(ckpt, step, **data):
+    """What trainer/checkpoint.py leaves: step_<N>/trainer_state.json (the DeepSpeed files are not read here)."""
+    (ckpt / f"step_{step}").mkdir(parents=True)
+    state = {"step": step, "weight_version": step, "eval_start": None, "data_position": {"frontier": 0, "done": []},
+             "data": {"num_prompts": 1618, "seed": 42, **data}}
+    (ckpt / f"step_{step}" / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_checkpoints_that_cannot_continue_the_run_are_refused_before_anything_starts(tmp_path, capsys):
+    ckpt = tmp_path / "runs" / "demo" / "ckpt"
+    _fake_checkpoint(ckpt, 4)
+    (ckpt / "step_6.partial").mkdir()  # cut short by a kill: never resumed from
+    assert run_cli(tmp_path, "--ckpt.save_steps", "2") == 2
+    assert "holds checkpoints of an earlier run (newest: step 4): pass --ckpt.resume" in capsys.readouterr().err
+    assert run_cli(tmp_path, "--ckpt.resume", "--train.max_steps", "4") == 2
+    assert "has trained 4 steps already; raise --train.max_steps (now 4)" in capsys.readouterr().err
+    assert run_cli(tmp_path, "--ckpt.resume", "--train.seed", "7") == 2
+    assert "with --train.seed 42, this run has 1618 and 7; resume with the same" in capsys.readouterr().err
+    assert run_cli(tmp_path, "--ckpt.resume", "--dry_run") == 0
+    report = json.loads(capsys.readouterr().out.rsplit("\ndry run:", 1)[0])
+    assert report["resume_from"] == {"path": str(ckpt / "step_4"), "step": 4}

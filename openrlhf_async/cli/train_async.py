@@ -131,7 +131,8 @@ def main(argv=None) -> int:
                 + ("" if k == 1 else f", pass@{k} {summary['eval_start'][f'eval/pass@{k}']:.3f} -> "
                                      f"{summary['eval_end'][f'eval/pass@{k}']:.3f}"))
     print(f"{accuracy} after {summary['steps']} steps in {summary['wall_s']:.0f} s; "
-          f"metrics in {cfg.run_dir}/metrics.jsonl, model in {summary['checkpoint']}")
+          + ", ".join(["metrics.jsonl"] + [os.path.basename(p) for p in summary["pictures"]])
+          + f" in {cfg.run_dir}; model in {summary['checkpoint']}")
     return 0
 
 

@@ -72,7 +72,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
         result = PPOTrainerAsync(cfg, engines, policy, weight_sync, train_prompts, eval_prompts, resumed).run(log.log)
     finally:
         log.close()
-    _report(cfg.run_dir)
+    pictures = _report(cfg.run_dir)
 
     output_dir = cfg.ckpt.output_dir or os.path.join(cfg.run_dir, "final_hf")
     get_all(policy.call("save_hf", output_dir))
@@ -93,19 +93,23 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
         "stale_groups_dropped": result["stale_groups_dropped"],
         "checkpoint": output_dir,
         "resumed_from_step": resumed and resumed["step"],
+        "pictures": pictures,
     }
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
 
-def _report(run_dir: str) -> None:
-    """The run's pictures (learning curves, actor timeline); a failure here must not fail a finished run."""
+def _report(run_dir: str) -> list:
+    """Draw the run's pictures (learning curves, actor timeline) and return their paths; a failure here must not
+    fail a finished run."""
     from openrlhf_async.cli.report import write_report
     from openrlhf_async.utils.metrics import one_line, warn
 
     try:
-        write_report(run_dir)
+        report = write_report(run_dir)
     except Exception as e:
         warn(f"the run's report could not be drawn ({one_line(e)}); retry with "
              f"python -m openrlhf_async.cli.report {run_dir}")
+        return []
+    return [p for p in (report["learning_png"], report["timeline_png"]) if p]
