@@ -20,22 +20,19 @@ SPAN_FIELDS = {"actor": str, "kind": str, "start": (int, float), "end": (int, fl
 def read_jsonl(path: str, fields: dict) -> list:
     """The objects of a JSON-lines file, each with the {name: type} fields. A bad line is a one-line ValueError
     naming the file and line, so a broken log says where it broke."""
+    from openrlhf_async.data.prompts import json_lines
+
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
-    rows = []
+    want = ", ".join(f"{k} ({t.__name__ if isinstance(t, type) else 'number'})" for k, t in fields.items())
+
+    def check(row):
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), t) for k, t in fields.items())):
+            return f"does not have {want}"
+        return None
+
     with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from None
-            if not (isinstance(row, dict) and all(isinstance(row.get(k), t) for k, t in fields.items())):
-                want = ", ".join(f"{k} ({t.__name__ if isinstance(t, type) else 'number'})" for k, t in fields.items())
-                raise ValueError(f"{path}: line {line_no} does not have {want}")
-            rows.append(row)
-    return rows
+        return json_lines(f, path, check)
 
 
 def row_key(actor: str):

@@ -23,16 +23,21 @@ def read_rows(path: str, flag: str) -> list:
         return json_lines(f, f"{flag} {path}")
 
 
-def json_lines(lines, where: str) -> list:
-    """One JSON value per non-blank line; a bad line is a ConfigError naming `where` and the line."""
+def json_lines(lines, where: str, check=None) -> list:
+    """One JSON value per non-blank line; a bad line is a ConfigError naming `where` and the line.
+    check(value): what is wrong with a parsed value ("does not have ..."), or None when it is fine."""
     rows = []
     for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: line {line_no} is not valid JSON ({e.msg})") from None
+        problem = check and check(row)
+        if problem:
+            raise ConfigError(f"{where}: line {line_no} {problem}")
+        rows.append(row)
     return rows
 
 

@@ -128,8 +128,7 @@ class RolloutController:
         return set(self.balancer.dead)
 
     def _all_dead_error(self) -> RuntimeError:
-        e = self._last_engine_error
-        return RuntimeError(f"all {len(self.engines)} vLLM engines died; last error: {type(e).__name__}: {e}")
+        return all_engines_dead(len(self.engines), self._last_engine_error)
 
     @classmethod
     def from_config(cls, cfg, engines: list, **overrides):
@@ -435,6 +434,10 @@ class RolloutController:
                 task.cancel()
 
 
+def all_engines_dead(count: int, last_error: BaseException) -> RuntimeError:
+    return RuntimeError(f"all {count} vLLM engines died; last error: {type(last_error).__name__}: {last_error}")
+
+
 def live_versions(engines: list, timeout_s: float = 60.0) -> dict:
     """{index: loaded weight version} of the engines whose actor is alive; raises when none is."""
     import ray
@@ -449,7 +452,7 @@ def live_versions(engines: list, timeout_s: float = 60.0) -> dict:
                 raise
             error = e
     if not versions:
-        raise RuntimeError(f"all {len(engines)} vLLM engines died; last error: {type(error).__name__}: {error}")
+        raise all_engines_dead(len(engines), error)
     return versions
 
 
