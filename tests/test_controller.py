@@ -306,3 +306,13 @@ def test_a_batch_that_cannot_fill_stops_with_a_clear_error():
     failing = [{"delay": 0.0, "scores": FLAT, "error": ("error", "ValueError: tool down")}] * 200
     with pytest.raises(AgentFailureError, match="tool down"):  # stops before the filter gives up
         _controller([FakeEngine()], max_error_ratio=0.5).run(_source(failing), target=2)
+
+
+def test_a_batch_of_several_rollouts_adds_up_their_counters():
+    from openrlhf_async.trainer.pipeline import _merge_rollout_metrics
+
+    batch = {}
+    for m in ({"rollout/engine_failures": 1, "rollout/groups_rerouted": 2, "rollout/time_to_batch_s": 3.0},
+              {"rollout/engine_failures": 1, "rollout/groups_rerouted": 0, "rollout/time_to_batch_s": 1.0}):
+        _merge_rollout_metrics(batch, m)
+    assert batch == {"rollout/engine_failures": 2, "rollout/groups_rerouted": 2, "rollout/time_to_batch_s": 1.0}

@@ -23,7 +23,8 @@ from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
 _COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
-             "rollout/reward_errors", "rollout/reward_timeouts", "rollout/stale_groups_dropped")
+             "rollout/reward_errors", "rollout/reward_timeouts", "rollout/stale_groups_dropped",
+             "rollout/engine_failures")
 
 
 def _merge_rollout_metrics(into: dict, new: dict) -> None:
