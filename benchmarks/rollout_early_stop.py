@@ -6,12 +6,18 @@ The wave is `target` prompts (the issue's baseline); DAPO's published recipe gen
 is measured too (`baseline_dapo3x_*`).
 Ours: FIFO groups under the load balancer, each filtered as it finishes; once `target` are valid, queued groups
 never start. Running groups are either aborted (`ours_abort_*`, the synchronous trainer's default) or carried
-over into the next batch (`ours_*`, --carry_over: partial rollout across batches, as the asynchronous modes use;
-the groups still running after the last batch are aborted and their tokens counted as waste).
+over into the next batch (`ours_*`: partial rollout across batches, as --mode fully_async does; the groups still
+running after the last batch are aborted and their tokens counted as waste). Since carried groups are not lost,
+ours keeps more groups in flight (--carry_over_margin, i.e. --rollout.admission_margin 1), which keeps the
+engines' batches full; ours_abort keeps --admission_margin (default 0, the trainer's default).
 
-Workload (the same prompt sequence for every method): per-request length budgets from a lognormal (median 48
+Workload (the same prompt stream for every method): per-request length budgets from a lognormal (median 48
 tokens, sigma 1.0, capped at 512) with EOS ignored, and per-prompt pass rates chosen so that about 40% of groups
-have equal rewards. Each method runs `--batches` batches; figures are per batch. Prints a final JSON line."""
+have equal rewards. By default every prompt is new. With --dataset_size D the stream goes over D prompts epoch
+after epoch, as training does, and a prompt's pass rate drifts between epochs (a flat prompt stays flat with
+probability --flat_persistence, and the flat share stays about 40%); ours then also passes over a prompt whose
+last group was flat with probability --skip_flat (--rollout.skip_flat_prompts), and `ours_noskip_*` measures
+ours without it. Each method runs `--batches` batches; figures are per batch. Prints a final JSON line."""
 
 import argparse
 import json
@@ -24,18 +30,33 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def workload(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_fraction: float, seed: int,
-             prompt_ids: list) -> list:
-    """Prompts with per-sample budgets and a pass rate: 0 or 1 (always flat) for `flat_fraction` of them."""
-    rng = random.Random(seed)
+def pass_rates(num_prompts: int, epochs: int, n: int, flat_fraction: float, persistence: float, seed: int) -> list:
+    """rates[epoch][prompt]: 0 or 1 (always flat) for about `flat_fraction` of the prompts in each epoch, else 1/2.
+    Between epochs a flat prompt stays flat with probability `persistence`, and a varied one turns flat at the rate
+    that keeps the flat share where it was."""
+    rng = random.Random(f"{seed}:rates")
     # A prompt with pass rate 1/2 is still flat with probability 2 / 2^n; allow for it.
     always_flat = max(0.0, (flat_fraction - 2 * 0.5 ** n) / (1 - 2 * 0.5 ** n))
-    out = []
-    for i in range(num_prompts):
-        budgets = [max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
-        rate = rng.choice([0.0, 1.0]) if rng.random() < always_flat else 0.5
-        out.append({"prompt_ids": prompt_ids[i % len(prompt_ids)], "label": str(rate), "budget": budgets})
-    return out
+    turns_flat = always_flat * (1 - persistence) / max(1e-9, 1 - always_flat)
+    rates = [[rng.choice([0.0, 1.0]) if rng.random() < always_flat else 0.5 for _ in range(num_prompts)]]
+    for _ in range(epochs - 1):
+        rates.append([(r if rng.random() < persistence else 0.5) if r != 0.5
+                      else (rng.choice([0.0, 1.0]) if rng.random() < turns_flat else 0.5) for r in rates[-1]])
+    return rates
+
+
+def budgets(position: int, n: int, median: float, sigma: float, cap: int, seed: int) -> list:
+    """The length budget of each of a stream position's n requests."""
+    rng = random.Random(f"{seed}:budget:{position}")
+    return [max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
+
+
+def workload(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_fraction: float, seed: int,
+             prompt_ids: list) -> list:
+    """New prompts, one per stream position, with their budgets and pass rate (the label)."""
+    rates = pass_rates(num_prompts, 1, n, flat_fraction, 1.0, seed)[0]
+    return [{"prompt_ids": prompt_ids[i % len(prompt_ids)], "label": str(rates[i]),
+             "budget": budgets(i, n, median, sigma, cap, seed)} for i in range(num_prompts)]
 
 
 def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_fraction: float, seed: int,
@@ -77,21 +98,33 @@ def main(argv=None) -> int:
     parser.add_argument("--flat_fraction", type=float, default=0.4, help="share of groups with equal rewards")
     parser.add_argument("--max_concurrent_prompts", type=int, default=0, help="ours: groups in flight (0: 2 x target)")
     parser.add_argument("--admission_margin", type=float, default=0.0,
-                        help="ours: extra groups in flight beyond the expected need")
+                        help="ours_abort: extra groups in flight beyond the expected need")
+    parser.add_argument("--carry_over_margin", type=float, default=1.0,
+                        help="ours (carry-over): the same; running groups are not lost, so more may start")
     parser.add_argument("--max_num_seqs", type=int, default=256, help="sequences each engine decodes at once")
     parser.add_argument("--batches", type=int, default=3, help="batches per method (figures are per batch)")
+    parser.add_argument("--dataset_size", type=int, default=0,
+                        help="prompts the stream goes over epoch after epoch (0: every prompt is new)")
+    parser.add_argument("--flat_persistence", type=float, default=0.8,
+                        help="--dataset_size: chance that a flat prompt is flat again in the next epoch")
+    parser.add_argument("--skip_flat", type=float, default=0.8,
+                        help="--dataset_size: ours passes over a prompt whose last group was flat this often")
+    parser.add_argument("--methods", default="", help="comma-separated methods to run (default: all); the baseline "
+                                                      "always runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smaller run that finishes within 3 minutes")
     args = parser.parse_args(argv)
     if args.quick:
         args.target, args.batches = 16, 2
 
-    # One prompt sequence, consumed from the start by every method.
-    model_path, prompts, cfg = setup(200 * args.target * args.batches, args.n, args.median, args.sigma, args.cap,
+    # One prompt stream, consumed from the start by every method.
+    stream_len = 200 * args.target * args.batches
+    model_path, prompts, cfg = setup(stream_len, args.n, args.median, args.sigma, args.cap,
                                      args.flat_fraction, args.seed, args.target, args.engines)
     import ray
 
     from openrlhf_async.config import validate
+    from openrlhf_async.data.prompts import PromptSampler
     from openrlhf_async.rollout.controller import RolloutController
     from openrlhf_async.rollout.engine import create_engines
 
@@ -105,20 +138,45 @@ def main(argv=None) -> int:
     sampling = {"temperature": 1.0, "ignore_eos": True}
 
     wave_dapo = 3 * args.target
-    methods = {  # name: controller settings
+    size = args.dataset_size
+    skip = args.skip_flat if size else 0.0
+    methods = {  # name: controller settings (skip: --rollout.skip_flat_prompts)
         "baseline": dict(early_stop=False, max_concurrent_prompts=args.target),
         "baseline_dapo3x": dict(early_stop=False, wave_size=wave_dapo, max_concurrent_prompts=wave_dapo),
-        "ours_abort": dict(early_stop=True),
-        "ours": dict(early_stop=True, carry_over=True),
+        "ours_abort": dict(early_stop=True, skip=skip),
+        "ours": dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin, skip=skip),
     }
+    if skip:
+        methods["ours_noskip"] = dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin)
+    if args.methods:
+        keep = {"baseline", *args.methods.split(",")}
+        methods = {name: settings for name, settings in methods.items() if name in keep}
+    rates = size and pass_rates(size, stream_len // size + 1, args.n, args.flat_fraction, args.flat_persistence,
+                                args.seed)
 
-    def run(name: str, settings: dict, batches: int, target: int, source) -> list:
-        controller = RolloutController.from_config(cfg, engines, sampling=sampling, **settings)
+    def source(skip: float = 0.0) -> tuple:
+        """(next_prompt, on_group, sampler) over the workload's prompt stream."""
+        if not size:
+            return iter(prompts).__next__, None, None
+        sampler = PromptSampler(prompts[:size], args.seed, skip_flat=skip)
+
+        def next_prompt() -> dict:
+            p = sampler.next()
+            return {"prompt_ids": p["prompt_ids"], "id": p["id"], "label": str(rates[p["position"] // size][p["id"]]),
+                    "budget": budgets(p["position"], args.n, args.median, args.sigma, args.cap, args.seed)}
+
+        return next_prompt, lambda prompt, flat: sampler.record([(prompt["id"], flat)]), sampler
+
+    def run(name: str, settings: dict, batches: int, target: int) -> list:
+        settings = dict(settings)
+        next_prompt, on_group, sampler = source(settings.pop("skip", 0.0))
+        controller = RolloutController.from_config(cfg, engines, sampling=sampling, on_group=on_group, **settings)
         out = []
         for batch in range(batches):
             start = time.perf_counter()
-            groups, m = controller.run(source, target)
+            groups, m = controller.run(next_prompt, target)
             assert len(groups) == target
+            m["prompts_skipped"] = len(sampler.take_skipped()) if sampler else 0
             if batch == batches - 1:  # what is still running will never be used
                 closed = controller.close()
                 m["rollout/tokens_generated"] += closed["tokens"]
@@ -128,12 +186,12 @@ def main(argv=None) -> int:
             print(f"batch {batch} {name:16s}: {m['wall_s']:.1f} s, {m['rollout/tokens_generated']} tokens "
                   f"({m['rollout/tokens_accepted']} accepted), groups started {m['rollout/groups_started']}, "
                   f"filtered {m['rollout/groups_filtered']}, aborted {m['rollout/groups_aborted']}, "
-                  f"carried in {m['rollout/groups_carried_in']}", file=sys.stderr, flush=True)
+                  f"carried in {m['rollout/groups_carried_in']}, prompts skipped {m['prompts_skipped']}",
+                  file=sys.stderr, flush=True)
         return out
 
-    run("warm-up", methods["ours"], 1, 4, iter(prompts).__next__)  # first requests pay one-off costs in vLLM
-    results = {name: run(name, settings, args.batches, args.target, iter(prompts).__next__)
-               for name, settings in methods.items()}
+    run("warm-up", dict(early_stop=True, carry_over=True), 1, 4)  # first requests pay one-off costs in vLLM
+    results = {name: run(name, settings, args.batches, args.target) for name, settings in methods.items()}
     ray.shutdown()
 
     def per_batch(name, key):
@@ -147,15 +205,19 @@ def main(argv=None) -> int:
     for name in methods:
         out[f"{name}_s"] = round(per_batch(name, "wall_s"), 2)
         out[f"{name}_tokens"] = round(per_batch(name, "rollout/tokens_generated"))
-    for name in ("ours", "ours_abort"):
-        for base in ("baseline", "baseline_dapo3x"):
+    for name in [m for m in methods if m.startswith("ours")]:
+        for base in [b for b in ("baseline", "baseline_dapo3x") if b in methods]:
             suffix = name[4:] + ("" if base == "baseline" else "_vs_dapo3x")
             out[f"speedup{suffix}"] = round(out[f"{base}_s"] / out[f"{name}_s"], 2)
             out[f"token_saving{suffix}"] = round(1 - out[f"{name}_tokens"] / out[f"{base}_tokens"], 3)
     for name in methods:
         out[f"wasted_fraction_{name}"] = round(wasted(name), 3)
+    if skip and "ours" in methods:
+        out["prompts_skipped_ours"] = round(per_batch("ours", "prompts_skipped"), 1)
     out.update(target=args.target, n=args.n, engines=args.engines, batches=args.batches,
-               max_num_seqs=args.max_num_seqs, admission_margin=args.admission_margin)
+               max_num_seqs=args.max_num_seqs, admission_margin=args.admission_margin,
+               carry_over_margin=args.carry_over_margin, dataset_size=size,
+               flat_persistence=args.flat_persistence if size else None, skip_flat=skip)
     print(json.dumps(out))
     return 0
 

@@ -52,6 +52,7 @@ class RolloutConfig:
     early_stop: bool = True
     unbiased_early_stop: bool = False
     admission_margin: float = 0.0  # extra groups in flight beyond the expected need (speed for aborted tokens)
+    skip_flat_prompts: float = 0.0  # chance to skip a prompt whose last group's rewards were all equal; 0: never
 
 
 @dataclass
@@ -265,6 +266,8 @@ _HELP = {
     "rollout.early_stop": "stop the rollout once enough valid groups exist: cancel queued groups, abort running ones",
     "rollout.admission_margin": "start this share more groups than the valid rate says are needed: faster "
                                 "batches, more aborted tokens",
+    "rollout.skip_flat_prompts": "skip a prompt, when its turn comes again, with this probability if its last "
+                                 "group's rewards were all equal (it taught nothing then); 0: never skip",
     "rollout.unbiased_early_stop": "stop only when every group started before the last accepted one has finished",
     "algo.dynamic_filtering_enable": "keep a group only if its rewards vary (DAPO dynamic sampling)",
     "algo.dynamic_filtering_rule": "std: reward std above --algo.dynamic_filtering_std_eps; mean_range: mean "
@@ -388,6 +391,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"--{flag} {value}: must not be negative")
     if not cfg.agent.step_timeout > 0:
         raise ConfigError(f"--agent.step_timeout {cfg.agent.step_timeout}: must be above 0 seconds")
+    if not 0 <= cfg.rollout.skip_flat_prompts < 1:
+        raise ConfigError(f"--rollout.skip_flat_prompts {cfg.rollout.skip_flat_prompts}: must be in [0, 1) (a "
+                          f"probability; below 1 so that a prompt can come back once the policy has moved)")
     if not 0 <= cfg.agent.max_error_ratio <= 1:
         raise ConfigError(f"--agent.max_error_ratio {cfg.agent.max_error_ratio}: must be in [0, 1]")
     if cfg.algo.dynamic_filtering_rule not in ("std", "mean_range"):

@@ -41,6 +41,7 @@ def run_cli(tmp_path, *flags):
         (["--reward.remote_url", "/no/reward.py"], "--reward.remote_url /no/reward.py: no such file"),
         (["--reward.timeout", "0"], "--reward.timeout 0.0: must be above 0 seconds"),
         (["--reward.max_error_ratio", "2"], "--reward.max_error_ratio 2.0: must be in [0, 1]"),
+        (["--rollout.skip_flat_prompts", "1"], "--rollout.skip_flat_prompts 1.0: must be in [0, 1)"),
         (["--reward.workers", "0"], "--reward.workers 0: must be at least 1"),
         (["--eval.n_samples_per_prompt", "4"], "--eval.n_samples_per_prompt 4 with --eval.temperature 0 draws"),
         (["--eval.max_new_tokens", "256"], "--eval.max_new_tokens 256 must be below --data.max_len 256"),

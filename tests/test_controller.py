@@ -316,3 +316,42 @@ def test_a_batch_of_several_rollouts_adds_up_their_counters():
               {"rollout/engine_failures": 1, "rollout/groups_rerouted": 0, "rollout/time_to_batch_s": 1.0}):
         _merge_rollout_metrics(batch, m)
     assert batch == {"rollout/engine_failures": 2, "rollout/groups_rerouted": 2, "rollout/time_to_batch_s": 1.0}
+
+
+def test_the_generator_skips_flat_prompts_and_records_what_it_passed_over():
+    """GenerateSamplesActor's batches (run in-process on a fake engine): a prompt whose group came out flat is
+    passed over at --rollout.skip_flat_prompts when its turn comes again; the positions passed over count as used
+    up, and each batch says which prompts came out flat for the trainer's checkpoint."""
+    from openrlhf_async.config import Config, validate
+    from openrlhf_async.data.prompts import PromptSampler, StreamProgress
+    from openrlhf_async.trainer.pipeline import GenerateSamplesActor
+
+    cfg = Config()
+    cfg.device, cfg.vllm.num_engines, cfg.mode = "cpu", 1, "sync"
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.skip_flat_prompts = 2, 2, 0.9
+    validate(cfg)
+    prompts = [{"prompt_ids": [i], "label": {"delay": 0.0, "scores": FLAT if i % 2 else VALID}} for i in range(8)]
+    generator = GenerateSamplesActor(cfg, [LocalHandle(FakeEngine())], prompts, queue=None)
+    progress, batches = StreamProgress(), []
+    for _ in range(12):
+        groups, metrics, used, flat = generator._batch(target_version=0)
+        assert [g[0]["prompt_ids"][0] % 2 for g in groups] == [0, 0]
+        progress.add((p for p, _ in used), flat)
+        batches.append((metrics, used, flat))
+    used = [u for _, batch_used, _ in batches for u in batch_used]
+    skipped_total = sum(m["rollout/prompts_skipped"] for m, _, _ in batches)
+    # Every position is used up exactly once, passed over or not.
+    assert sorted(p for p, _ in used) == list(range(len(used)))
+    # The first epoch has no history, so nothing in it is passed over; its flat prompts are recorded as such.
+    outcomes = [o for _, _, flat in batches for o in flat]
+    assert {row for row, is_flat in outcomes if is_flat} == {1, 3, 5, 7}
+    assert not any(is_flat for row, is_flat in outcomes if row % 2 == 0)
+    flat_drawn = sum(1 for _, is_flat in outcomes if is_flat)
+    aborted = sum(m["rollout/groups_aborted"] for m, _, _ in batches)
+    assert len(used) == len(outcomes) + skipped_total + aborted
+    assert skipped_total > 3 * (flat_drawn - 4), "about 9 in 10 later turns of a flat prompt are passed over"
+    assert progress.state()["flat"] == [1, 3, 5, 7] and progress.frontier == len(used)
+    # A resumed run passes over the same flat prompts.
+    again = PromptSampler(prompts, cfg.train.seed, skip_flat=0.9, **progress.state())
+    drawn = [again.next()["id"] for _ in range(20)]
+    assert sum(row % 2 for row in drawn) < 5 and {row for _, row in again.take_skipped()} <= {1, 3, 5, 7}

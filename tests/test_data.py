@@ -96,7 +96,7 @@ def test_a_resumed_sampler_continues_the_stream_skipping_only_what_was_used():
     progress = StreamProgress()
     progress.add([1, 0, 7])
     progress.add([2, 4, 3])
-    assert progress.state() == {"frontier": 5, "done": [7]}
+    assert progress.state() == {"frontier": 5, "done": [7], "flat": []}
     resumed = PromptSampler(rows, 3, **progress.state())
     rest = [resumed.next() for _ in range(5)]
     assert [r["position"] for r in rest] == [5, 6, 8, 9, 10]
@@ -106,3 +106,28 @@ def test_a_resumed_sampler_continues_the_stream_skipping_only_what_was_used():
         d = fresh.next()
         expected[d["position"]] = d["id"]
     assert all(r["id"] == expected[r["position"]] for r in rest), "a position names the same prompt after resume"
+
+
+def test_flat_prompts_are_skipped_at_their_rate_and_come_back_once_they_vary():
+    rows = [{"prompt": str(i)} for i in range(20)]
+    sampler = PromptSampler(rows, seed=4, skip_flat=0.75)
+    sampler.record([(i, True) for i in range(10)] + [(3, False)])  # rows 0-9 flat, then 3 varied after all
+    assert sampler.flat == set(range(10)) - {3}
+    drawn = [sampler.next() for _ in range(20 * 40)]
+    skipped = sampler.take_skipped()
+    assert sampler.take_skipped() == []
+    # Nothing is lost: every position up to the last drawn is either drawn or passed over, once.
+    positions = sorted([d["position"] for d in drawn] + [p for p, _ in skipped])
+    assert positions == list(range(positions[-1] + 1))
+    assert all(rows[i]["prompt"] == str(i) for _, i in skipped)
+    assert {i for _, i in skipped} == set(range(10)) - {3}, "only prompts whose last group was flat are skipped"
+    epochs = (positions[-1] + 1) / len(rows)
+    for row in range(20):
+        share = sum(d["id"] == row for d in drawn) / epochs
+        assert (0.1 < share < 0.45) if row in sampler.flat else abs(share - 1) < 0.05, (row, share)
+    # A resumed sampler with the same record of flat prompts decides the same way.
+    progress = StreamProgress()
+    progress.add(range(100), [(i, True) for i in range(10)] + [(3, False)])
+    resumed = PromptSampler(rows, 4, skip_flat=0.75, **progress.state())
+    expected = [d["position"] for d in drawn if d["position"] >= 100][:50]
+    assert [resumed.next()["position"] for _ in range(50)] == expected

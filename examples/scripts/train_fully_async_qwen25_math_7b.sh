@@ -2,7 +2,8 @@
 # Fully asynchronous DAPO on Qwen2.5-Math-7B (4096-token context) with DAPO-Math-17k, evaluated on AIME 2024.
 # Groups stream from the engines; the generator may run half a sync window ahead (staleness threshold 0.5);
 # each optimizer step takes 4 batches, weights sync every 4 steps, and episodes in flight at a sync continue on
-# the new weights (partial rollout).
+# the new weights (partial rollout). Running groups carry over between batches rather than being aborted, so
+# twice the expected need is kept in flight (admission margin 1) to keep the engines' batches full.
 # Resources: 16 GPUs (2 nodes x 8): 8 vLLM engines (tensor parallel 1) + 8 DeepSpeed ZeRO-3 trainer ranks.
 # Data: as in train_dapo_qwen3_8b_async.sh.
 # Usage: bash examples/scripts/train_fully_async_qwen25_math_7b.sh [--dry_run] [more flags]
@@ -11,7 +12,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
 submit \
   --run_name fully_async_qwen25_math_7b --runs_dir "$RUNS_DIR" --device cuda --mode fully_async \
   --train.staleness_threshold 0.5 --train.trigger_parameter_sync_step 4 --train.require_batches 4 \
-  --train.partial_rollout \
+  --train.partial_rollout --rollout.admission_margin 1 \
   --actor.model_name_or_path "${MODEL:-Qwen/Qwen2.5-Math-7B}" \
   --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.85 \
   --actor.num_nodes 1 --actor.num_gpus_per_node 8 --ds.zero_stage 3 --ds.param_dtype bf16 \

@@ -110,11 +110,17 @@ class PromptSampler:
     """An endless stream of prompts, epoch after epoch, each epoch a shuffle of the dataset seeded by (seed, epoch).
     Stream position p is row permutation(p // N)[p % N], so a position alone says which prompt it is and a resumed
     run can continue the same stream: it starts at `frontier` (every earlier position was used) and skips the
-    positions in `done` (used already, beyond the frontier: groups that finished while earlier ones still ran)."""
+    positions in `done` (used already, beyond the frontier: groups that finished while earlier ones still ran).
 
-    def __init__(self, rows: list, seed: int, frontier: int = 0, done=()):
+    With skip_flat > 0, a prompt whose last group's rewards were all equal (row ids in `flat`, kept up to date with
+    record()) is passed over with that probability when its turn comes, a coin seeded by (seed, position) so that
+    a resumed run decides the same way. A passed-over position is used up without a group; take_skipped() lists
+    them."""
+
+    def __init__(self, rows: list, seed: int, frontier: int = 0, done=(), flat=(), skip_flat: float = 0.0):
         self.rows, self.seed = rows, seed
         self.position, self.done = frontier, set(done)
+        self.flat, self.skip_flat, self._skipped = set(flat), skip_flat, []
         self._epoch, self._order = None, []
 
     def row_id(self, position: int) -> int:
@@ -126,28 +132,52 @@ class PromptSampler:
         return self._order[position % len(self.rows)]
 
     def next(self) -> dict:
-        """The next unused prompt row, with its stream "position" and dataset row "id"."""
-        while self.position in self.done:
-            self.done.discard(self.position)
-            self.position += 1
-        position, self.position = self.position, self.position + 1
-        row_id = self.row_id(position)
-        return {**self.rows[row_id], "position": position, "id": row_id}
+        """The next unused prompt row that is not passed over, with its stream "position" and dataset row "id"."""
+        while True:
+            while self.position in self.done:
+                self.done.discard(self.position)
+                self.position += 1
+            position, self.position = self.position, self.position + 1
+            row_id = self.row_id(position)
+            if (row_id in self.flat and self.skip_flat
+                    and random.Random(f"{self.seed}:skip:{position}").random() < self.skip_flat):
+                self._skipped.append((position, row_id))
+                continue
+            return {**self.rows[row_id], "position": position, "id": row_id}
+
+    def take_skipped(self) -> list:
+        """[(position, row id)] passed over since the last call."""
+        skipped, self._skipped = self._skipped, []
+        return skipped
+
+    def record(self, outcomes) -> None:
+        """outcomes: [(row id, whether its group's rewards were all equal)], oldest first."""
+        record_flat(self.flat, outcomes)
+
+
+def record_flat(flat: set, outcomes) -> None:
+    for row_id, is_flat in outcomes:
+        if is_flat:
+            flat.add(row_id)
+        else:
+            flat.discard(row_id)
 
 
 class StreamProgress:
     """Which stream positions are used up, kept small: a frontier (every position below it is used) and the used
-    positions beyond it (groups that finished while earlier ones still ran)."""
+    positions beyond it (groups that finished while earlier ones still ran); and which prompts' last groups were
+    flat (all rewards equal), for --rollout.skip_flat_prompts."""
 
-    def __init__(self, frontier: int = 0, done=()):
-        self.frontier, self.done = frontier, set(done)
+    def __init__(self, frontier: int = 0, done=(), flat=()):
+        self.frontier, self.done, self.flat = frontier, set(done), set(flat)
 
-    def add(self, positions) -> None:
+    def add(self, positions, outcomes=()) -> None:
         self.done.update(positions)
         while self.frontier in self.done:
             self.done.remove(self.frontier)
             self.frontier += 1
+        record_flat(self.flat, outcomes)
 
     def state(self) -> dict:
         """PromptSampler's keyword arguments to continue the stream after these positions."""
-        return {"frontier": self.frontier, "done": sorted(self.done)}
+        return {"frontier": self.frontier, "done": sorted(self.done), "flat": sorted(self.flat)}

@@ -104,7 +104,7 @@ class RolloutController:
                  overlong_buffer: int = 0, overlong_factor: float = 1.0, max_error_ratio: float = 1.0,
                  max_reward_error_ratio: float = 1.0,
                  abort_timeout: float = 60.0, agent_path: Optional[str] = None, admission_margin: float = 0.0,
-                 carry_over: bool = False, wave_size: int = 0):
+                 carry_over: bool = False, wave_size: int = 0, on_group: Optional[Callable] = None):
         self.engines, self.n, self.sampling, self.budget = engines, n, sampling, budget
         self.max_concurrent_prompts, self.capacity = max_concurrent_prompts, capacity_per_engine
         self.filter_rule, self.filter_eps, self.filter_range = filter_rule, filter_eps, filter_range
@@ -119,6 +119,7 @@ class RolloutController:
         self.carry_over = carry_over and early_stop
         self.carried = []  # records of groups started for an earlier batch and not used yet
         self.wave_size = wave_size  # waves (no early stop): prompts per wave; 0: the batch target. DAPO uses 3x
+        self.on_group = on_group  # on_group(prompt, flat) for each finished group; flat: its rewards are all equal
         self.balancer = LoadBalancer(len(engines), capacity_per_engine)
         self._last_engine_error = None
 
@@ -291,6 +292,9 @@ class RolloutController:
                             first_error.setdefault(ERROR_KINDS[ep["error"][0]][0], ep["error"][1])
                     record["valid"] = self._keep(group)
                     finished_order.append(record)
+                    if self.on_group is not None:
+                        self.on_group(record["prompt"], not keep_group([e["score"] for e in group], "std",
+                                                                       self.filter_eps))
                 if failure is None:
                     failure = self._hopeless(stats, first_error, target, finished_order)
                 if failure is not None:

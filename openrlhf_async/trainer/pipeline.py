@@ -24,7 +24,7 @@ from openrlhf_async.utils.timeline import Timeline
 END = "end"  # the generator's last queue item
 _COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
              "rollout/reward_errors", "rollout/reward_timeouts", "rollout/stale_groups_dropped",
-             "rollout/engine_failures")
+             "rollout/engine_failures", "rollout/prompts_skipped")
 
 
 def _merge_rollout_metrics(into: dict, new: dict) -> None:
@@ -60,15 +60,19 @@ def _get(queue, stopped: threading.Event):
 class GenerateSamplesActor:
     """Produces batches of valid groups with the rollout controller, as fast as the staleness bounds allow.
     Each batch says which prompt-stream positions it used up (see data/prompts.py), so a checkpoint knows where
-    the data stands: started groups whose outcome is not in a batch yet (carried over) are not used up."""
+    the data stands: started groups whose outcome is not in a batch yet (carried over) are not used up. It also
+    says which prompts' groups came out flat (all rewards equal), for --rollout.skip_flat_prompts."""
 
     def __init__(self, cfg, engines: list, prompts: list, queue, data_position: dict = None):
         from openrlhf_async.data.prompts import PromptSampler
         from openrlhf_async.rollout.controller import RolloutController
 
         self.cfg, self.engines, self.queue = cfg, engines, queue
-        self.controller = RolloutController.from_config(cfg, engines, carry_over=cfg.mode == "fully_async")
-        self.sampler = PromptSampler(prompts, cfg.train.seed, **(data_position or {}))
+        self.controller = RolloutController.from_config(cfg, engines, carry_over=cfg.mode == "fully_async",
+                                                        on_group=self._group_done)
+        self.sampler = PromptSampler(prompts, cfg.train.seed, skip_flat=cfg.rollout.skip_flat_prompts,
+                                     **(data_position or {}))
+        self._outcomes = []  # (dataset row, flat) of the groups finished in the batch being made
         self.timeline = Timeline("generator")
         self.window = production_window(cfg.mode, cfg.queue_size, cfg.train.staleness_threshold,
                                         cfg.train.trigger_parameter_sync_step, cfg.train.require_batches)
@@ -76,6 +80,10 @@ class GenerateSamplesActor:
 
     def stop(self) -> None:
         self.stopped.set()
+
+    def _group_done(self, prompt: dict, flat: bool) -> None:
+        self._outcomes.append((prompt["id"], flat))
+        self.sampler.record([(prompt["id"], flat)])
 
     def _version(self) -> int:
         return min(live_versions(self.engines).values())
@@ -90,6 +98,9 @@ class GenerateSamplesActor:
 
         def next_prompt() -> dict:
             prompt = self.sampler.next()
+            skipped = self.sampler.take_skipped()  # passed over (--rollout.skip_flat_prompts): used up, no group
+            used.update(skipped)
+            metrics["rollout/prompts_skipped"] = metrics.get("rollout/prompts_skipped", 0) + len(skipped)
             used[prompt["position"]] = prompt["id"]
             return prompt
 
@@ -103,7 +114,9 @@ class GenerateSamplesActor:
             groups += fresh
             _merge_rollout_metrics(metrics, m)
         metrics["rollout/stale_groups_dropped"] = dropped
-        return groups, metrics, sorted(used.items())
+        metrics.setdefault("rollout/prompts_skipped", 0)
+        outcomes, self._outcomes = self._outcomes, []
+        return groups, metrics, sorted(used.items()), outcomes
 
     def run(self, num_items: int) -> dict:
         items_per_sync, slack = self.window
@@ -118,14 +131,14 @@ class GenerateSamplesActor:
                 t1 = time.perf_counter()
                 self.timeline.add("wait", time.time() - (t1 - t0), time.time())
                 with self.timeline.span("generate"):
-                    groups, metrics, used = self._batch(base + trained_version(index, items_per_sync))
+                    groups, metrics, used, outcomes = self._batch(base + trained_version(index, items_per_sync))
                 idle += t1 - t0
                 metrics["rollouter/idle_ratio"] = idle / max(1e-9, time.perf_counter() - start)
                 metrics["rollouter/gate_wait_s"] = t1 - t0
                 t2 = time.perf_counter()
                 with self.timeline.span("wait"):
                     item = {"index": index, "groups": groups, "metrics": metrics, "used": used,
-                            "spans": self.timeline.take()}
+                            "flat": outcomes, "spans": self.timeline.take()}
                     if not _put(self.queue, item, self.stopped):
                         return {"items": index, "stopped": True}
                 idle += time.perf_counter() - t2
@@ -271,7 +284,7 @@ class TrainingActor:
                 metrics.update(scores)
                 metrics["timing/eval_s"] = time.perf_counter() - t4
             used = [u for item in items for u in item["used"]]
-            self.progress.add(position for position, _ in used)
+            self.progress.add((position for position, _ in used), [o for item in items for o in item["flat"]])
             metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
             metrics["_spans"] = self._spans(items)
             self.metrics_queue.put(metrics)
