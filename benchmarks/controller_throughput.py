@@ -11,7 +11,7 @@ import time
 
 from openrlhf_async.agent import load_agent
 from openrlhf_async.rollout.controller import LocalHandle, RolloutController
-from openrlhf_async.rollout.episode import run_episode
+from openrlhf_async.rollout.episode import run_episode, run_group
 
 AGENT = '''
 async def step(state, action, label):
@@ -38,10 +38,11 @@ class InstantEngine:
     async def _generate(self, prompt_ids, sampling, request_id):
         return {"response_ids": [7, 7], "logprobs": [-0.5, -0.5], "token_versions": [0, 0], "finish_reason": "stop"}
 
-    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None):
-        return list(await asyncio.gather(*(
-            run_episode(self._generate, self.agent, self.tokenizer, prompt_ids, label, sampling, budget,
-                        self.turns, 30.0, f"{group_id}-{i}") for i in range(n))))
+    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
+                             screen_eps=1e-6):
+        return await run_group(lambda i: run_episode(self._generate, self.agent, self.tokenizer, prompt_ids, label,
+                                                     sampling, budget, self.turns, 30.0, f"{group_id}-{i}"),
+                               n, screen, screen_eps)
 
     async def abort_groups(self, group_ids):
         return 0

@@ -53,6 +53,7 @@ class RolloutConfig:
     unbiased_early_stop: bool = False
     admission_margin: float = 0.0  # extra groups in flight beyond the expected need (speed for aborted tokens)
     skip_flat_prompts: float = 0.0  # chance to skip a prompt whose last group's rewards were all equal; 0: never
+    screen_samples: int = 0  # run this many of a group's samples first; the rest only if their rewards vary; 0: off
 
 
 @dataclass
@@ -268,6 +269,9 @@ _HELP = {
                                 "batches, more aborted tokens",
     "rollout.skip_flat_prompts": "skip a prompt, when its turn comes again, with this probability if its last "
                                  "group's rewards were all equal (it taught nothing then); 0: never skip",
+    "rollout.screen_samples": "screening: run M of a group's samples first and the other n - M only if the M "
+                              "rewards vary; a group whose M all score the same is dropped as flat, having cost "
+                              "M/n of its tokens (SPEED-RL); 0: off, else 2 <= M < n",
     "rollout.unbiased_early_stop": "stop only when every group started before the last accepted one has finished",
     "algo.dynamic_filtering_enable": "keep a group only if its rewards vary (DAPO dynamic sampling)",
     "algo.dynamic_filtering_rule": "std: reward std above --algo.dynamic_filtering_std_eps; mean_range: mean "
@@ -394,6 +398,13 @@ def validate(cfg: Config) -> Config:
     if not 0 <= cfg.rollout.skip_flat_prompts < 1:
         raise ConfigError(f"--rollout.skip_flat_prompts {cfg.rollout.skip_flat_prompts}: must be in [0, 1) (a "
                           f"probability; below 1 so that a prompt can come back once the policy has moved)")
+    screen, n = cfg.rollout.screen_samples, cfg.rollout.n_samples_per_prompt
+    if screen and not 2 <= screen < n:
+        raise ConfigError(f"--rollout.screen_samples {screen}: use 0 (off) or a number from 2 to "
+                          f"--rollout.n_samples_per_prompt - 1 ({n - 1}); one sample cannot show a flat group")
+    if screen and not cfg.algo.dynamic_filtering_enable:
+        raise ConfigError(f"--rollout.screen_samples {screen} drops groups that would be flat, which only makes "
+                          f"sense with dynamic sampling: drop --no-algo.dynamic_filtering_enable or the screening")
     if not 0 <= cfg.agent.max_error_ratio <= 1:
         raise ConfigError(f"--agent.max_error_ratio {cfg.agent.max_error_ratio}: must be in [0, 1]")
     if cfg.algo.dynamic_filtering_rule not in ("std", "mean_range"):

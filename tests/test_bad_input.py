@@ -42,6 +42,11 @@ def run_cli(tmp_path, *flags):
         (["--reward.timeout", "0"], "--reward.timeout 0.0: must be above 0 seconds"),
         (["--reward.max_error_ratio", "2"], "--reward.max_error_ratio 2.0: must be in [0, 1]"),
         (["--rollout.skip_flat_prompts", "1"], "--rollout.skip_flat_prompts 1.0: must be in [0, 1)"),
+        (["--rollout.screen_samples", "8"], "--rollout.screen_samples 8: use 0 (off) or a number from 2 to "
+                                            "--rollout.n_samples_per_prompt - 1 (7)"),
+        (["--rollout.screen_samples", "1"], "--rollout.screen_samples 1: use 0 (off) or a number from 2"),
+        (["--rollout.screen_samples", "4", "--no-algo.dynamic_filtering_enable"],
+         "--rollout.screen_samples 4 drops groups that would be flat, which only makes sense with dynamic sampling"),
         (["--reward.workers", "0"], "--reward.workers 0: must be at least 1"),
         (["--eval.n_samples_per_prompt", "4"], "--eval.n_samples_per_prompt 4 with --eval.temperature 0 draws"),
         (["--eval.max_new_tokens", "256"], "--eval.max_new_tokens 256 must be below --data.max_len 256"),

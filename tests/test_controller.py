@@ -6,7 +6,7 @@ import pytest
 
 from openrlhf_async.rollout.controller import (AgentFailureError, LoadBalancer, LocalHandle, RolloutController,
                                                _engine_died, keep_group, overlong_penalty)
-from openrlhf_async.rollout.episode import empty_episode
+from openrlhf_async.rollout.episode import empty_episode, run_group
 
 
 class FakeEngine:
@@ -15,7 +15,8 @@ class FakeEngine:
     def __init__(self, started=None):
         self.started, self.aborted, self.running = [] if started is None else started, [], {}
 
-    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None):
+    async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
+                             screen_eps=1e-6):
         self.started.append(prompt_ids[0])
         if label.get("raise"):
             raise RuntimeError("engine failed")
@@ -27,14 +28,15 @@ class FakeEngine:
             aborted = False
         finally:
             self.running.pop(group_id)
-        episodes = []
-        for i, score in enumerate(label["scores"][:n]):
+
+        async def episode(i):
             ep = empty_episode(f"{group_id}-{i}", prompt_ids)
             tokens = label.get("tokens", 4) // (2 if aborted else 1)
             ep.update(response_ids=[5] * tokens, logprobs=[-1.0] * tokens, action_mask=[1] * tokens,
-                      score=0.0 if aborted else float(score), aborted=aborted, error=label.get("error"))
-            episodes.append(ep)
-        return episodes
+                      score=0.0 if aborted else float(label["scores"][i]), aborted=aborted, error=label.get("error"))
+            return ep
+
+        return await run_group(episode, min(n, len(label["scores"])), screen, screen_eps)
 
     async def abort_groups(self, group_ids):
         self.aborted += list(group_ids)
@@ -103,6 +105,50 @@ def test_filter_rules_and_overlong_shaping():
     assert overlong_penalty(10, budget=20, buffer=5, factor=1.0) == 0.0
     assert overlong_penalty(20, budget=20, buffer=5, factor=1.0) == -1.0
     assert overlong_penalty(18, budget=20, buffer=5, factor=0.5) == pytest.approx(-0.3)
+
+
+def test_screening_runs_the_rest_of_a_group_only_when_its_first_samples_vary():
+    started = []
+
+    def episode_with(scores):
+        def episode(i):
+            async def run():
+                started.append(i)
+                await asyncio.sleep(0.01)
+                return {**empty_episode(f"e{i}", [1]), "score": scores[i]}
+            return run()
+        return episode
+
+    flat = asyncio.run(run_group(episode_with([1.0] * 8), 8, screen=3))
+    assert [ep["score"] for ep in flat] == [1.0] * 3 and started == [0, 1, 2], "a flat screen must start no more"
+    started.clear()
+    varied = asyncio.run(run_group(episode_with([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), 8, screen=3))
+    assert len(varied) == 8 and started == list(range(8)) and [ep["score"] for ep in varied][2] == 1.0
+    started.clear()
+    # Screening decides on the fixed first samples: a later sample that differs does not rescue a flat screen.
+    late = asyncio.run(run_group(episode_with([0.0] * 4 + [1.0] * 4), 8, screen=4))
+    assert len(late) == 4 and started == [0, 1, 2, 3]
+    started.clear()
+    assert len(asyncio.run(run_group(episode_with([1.0] * 8), 8, screen=0))) == 8 and len(started) == 8
+
+
+def test_screened_groups_are_dropped_as_flat_counted_and_cost_only_their_first_samples():
+    flat_seen = []
+    labels = [{"delay": 0.0, "scores": [1.0] * 4} if i % 2 else {"delay": 0.0, "scores": [0.0, 1.0, 1.0, 0.0]}
+              for i in range(40)]
+    c = _controller([FakeEngine()], n=4, screen_samples=2, on_group=lambda p, flat: flat_seen.append(flat))
+    groups, m = c.run(_source(labels), target=3)
+    assert len(groups) == 3 and all(len(g) == 4 and keep_group([e["score"] for e in g]) for g in groups)
+    assert m["rollout/groups_screened"] >= 2 and m["rollout/groups_filtered"] == m["rollout/groups_screened"]
+    assert m["rollout/tokens_screened"] == m["rollout/groups_screened"] * 2 * 4, "a screened group costs 2 samples"
+    assert m["rollout/tokens_generated"] == (m["rollout/tokens_accepted"] + m["rollout/tokens_screened"]
+                                             + m["rollout/tokens_aborted"])
+    assert flat_seen.count(True) == m["rollout/groups_screened"] and c.balancer.loads == [0]
+    # Without screening the same flat groups cost all 4 samples each.
+    _, plain = _controller([FakeEngine()], n=4).run(_source(labels), target=3)
+    assert plain["rollout/groups_screened"] == 0
+    assert (plain["rollout/tokens_generated"] - plain["rollout/tokens_accepted"] - plain["rollout/tokens_aborted"]
+            == plain["rollout/groups_filtered"] * 16)
 
 
 def test_balancer_sends_to_least_loaded_engine_under_capacity():

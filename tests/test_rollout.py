@@ -64,6 +64,27 @@ def test_early_stop_aborts_in_flight_requests_and_leaves_none_running(engines, s
     _assert_engines_idle(engines, controller)
 
 
+def test_screening_stops_flat_groups_after_their_first_samples(engines, stack_cfg, prompts, tmp_path):
+    agent = _agent_file(tmp_path, "screened", """
+        import collections
+
+        calls = collections.Counter()  # per prompt (each group here has its own prompt)
+
+        async def step(state, action, label):  # "mixed" groups score 1, 0, 1, 0 in the order their episodes end
+            calls[state] += 1
+            return float(label == "flat" or calls[state] % 2 == 1), state + action, True, {}
+    """)
+    source = iter([{**p, "label": "flat"} for p in prompts[:6]] + [{**p, "label": "mixed"} for p in prompts[6:]])
+    controller = RolloutController.from_config(stack_cfg, engines, n=4, budget=8, agent_path=agent, screen_samples=2,
+                                               sampling={"temperature": 1.0, "ignore_eos": True})
+    groups, m = controller.run(source.__next__, target=3)
+    assert len(groups) == 3 and all(len(g) == 4 and sorted(e["score"] for e in g) == [0, 0, 1, 1] for g in groups)
+    assert m["rollout/groups_screened"] >= 1 and m["rollout/groups_filtered"] == m["rollout/groups_screened"]
+    # A screened group ran 2 of its 4 requests (8 tokens each: EOS is ignored), never the other two.
+    assert m["rollout/tokens_screened"] == m["rollout/groups_screened"] * 2 * 8
+    _assert_engines_idle(engines, controller)
+
+
 def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engines, stack_cfg, prompts, tmp_path,
                                                                              tiny_model_path):
     from transformers import AutoTokenizer

@@ -12,6 +12,8 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Optional
 
+from openrlhf_async.rollout.episode import scores_vary
+
 
 class LoadBalancer:
     """In-flight episodes per engine. A group goes to the least-loaded engine if it fits under that engine's
@@ -59,9 +61,9 @@ class LoadBalancer:
 
 def keep_group(scores: list, rule: str = "std", eps: float = 1e-6, low: float = 0.0, high: float = 1.0) -> bool:
     """DAPO dynamic sampling: keep a group only if it carries a learning signal."""
-    mean = sum(scores) / len(scores)
     if rule == "std":
-        return (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5 > eps
+        return scores_vary(scores, eps)
+    mean = sum(scores) / len(scores)
     return low + 1e-6 < mean < high - 1e-6  # OpenRLHF's rule: the mean strictly inside (low, high)
 
 
@@ -104,7 +106,8 @@ class RolloutController:
                  overlong_buffer: int = 0, overlong_factor: float = 1.0, max_error_ratio: float = 1.0,
                  max_reward_error_ratio: float = 1.0,
                  abort_timeout: float = 60.0, agent_path: Optional[str] = None, admission_margin: float = 0.0,
-                 carry_over: bool = False, wave_size: int = 0, on_group: Optional[Callable] = None):
+                 carry_over: bool = False, wave_size: int = 0, on_group: Optional[Callable] = None,
+                 screen_samples: int = 0):
         self.engines, self.n, self.sampling, self.budget = engines, n, sampling, budget
         self.max_concurrent_prompts, self.capacity = max_concurrent_prompts, capacity_per_engine
         self.filter_rule, self.filter_eps, self.filter_range = filter_rule, filter_eps, filter_range
@@ -120,6 +123,9 @@ class RolloutController:
         self.carried = []  # records of groups started for an earlier batch and not used yet
         self.wave_size = wave_size  # waves (no early stop): prompts per wave; 0: the batch target. DAPO uses 3x
         self.on_group = on_group  # on_group(prompt, flat) for each finished group; flat: its rewards are all equal
+        # Screening: a group's first screen_samples episodes run first; if they all score the same the engine
+        # returns them alone and the group is dropped as flat without spending the other samples' tokens.
+        self.screen_samples = screen_samples
         self.balancer = LoadBalancer(len(engines), capacity_per_engine)
         self._last_engine_error = None
 
@@ -141,7 +147,7 @@ class RolloutController:
             filter_rule=cfg.algo.dynamic_filtering_rule if cfg.algo.dynamic_filtering_enable else None,
             filter_eps=cfg.algo.dynamic_filtering_std_eps, filter_range=tuple(cfg.algo.dynamic_filtering_range),
             early_stop=cfg.rollout.early_stop, unbiased=cfg.rollout.unbiased_early_stop,
-            admission_margin=cfg.rollout.admission_margin,
+            admission_margin=cfg.rollout.admission_margin, screen_samples=cfg.rollout.screen_samples,
             overlong_buffer=cfg.reward.overlong_buffer_len, overlong_factor=cfg.reward.overlong_penalty_factor,
             max_error_ratio=cfg.agent.max_error_ratio, max_reward_error_ratio=cfg.reward.max_error_ratio,
             agent_path=cfg.agent.func_path)
@@ -162,7 +168,8 @@ class RolloutController:
     async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:
         start = time.perf_counter()
         records, pending = [], {}  # records in start order; pending: task -> record
-        stats = dict.fromkeys(["started", "finished", "aborted", "tokens", "tokens_aborted", "episodes",
+        stats = dict.fromkeys(["started", "finished", "aborted", "screened", "tokens", "tokens_aborted",
+                               "tokens_screened", "episodes",
                                "agent_errors", "agent_timeouts", "reward_errors", "reward_timeouts", "rerouted"], 0)
         dead_before = len(self.balancer.dead)
         if dead_before == len(self.engines):
@@ -188,7 +195,7 @@ class RolloutController:
             record.update(group_id=f"g{next(_group_ids)}", engine=engine)
             record["ref"] = self.engines[engine].generate_group.remote(
                 prompt["prompt_ids"], prompt["label"], self.n, self.sampling, record["group_id"],
-                prompt.get("budget", self.budget), self.agent_path)
+                prompt.get("budget", self.budget), self.agent_path, self.screen_samples, self.filter_eps)
             pending[asyncio.ensure_future(_awaitable(record["ref"]))] = record
 
         def launch():
@@ -290,11 +297,15 @@ class RolloutController:
                     for ep in group:
                         if ep["error"]:
                             first_error.setdefault(ERROR_KINDS[ep["error"][0]][0], ep["error"][1])
-                    record["valid"] = self._keep(group)
+                    screened = len(group) < self.n  # its first samples all scored the same: dropped as flat
+                    if screened:
+                        stats["screened"] += 1
+                        stats["tokens_screened"] += sum(sum(ep["action_mask"]) for ep in group)
+                    record["valid"] = not screened and self._keep(group)
                     finished_order.append(record)
                     if self.on_group is not None:
-                        self.on_group(record["prompt"], not keep_group([e["score"] for e in group], "std",
-                                                                       self.filter_eps))
+                        self.on_group(record["prompt"], screened or not scores_vary([e["score"] for e in group],
+                                                                                    self.filter_eps))
                 if failure is None:
                     failure = self._hopeless(stats, first_error, target, finished_order)
                 if failure is not None:
@@ -336,13 +347,15 @@ class RolloutController:
             "rollout/groups_started": stats["started"],
             "rollout/groups_finished": stats["finished"],
             "rollout/groups_accepted": len(batch),
-            "rollout/groups_filtered": sum(1 for r in records if r["valid"] is False),
+            "rollout/groups_filtered": sum(1 for r in records if r["valid"] is False),  # screened ones too
+            "rollout/groups_screened": stats["screened"],
             "rollout/groups_aborted": stats["aborted"],
             "rollout/groups_carried_in": len(carried_in),
             "rollout/groups_carried_out": len(self.carried),
             "rollout/tokens_generated": stats["tokens"],
             "rollout/tokens_accepted": accepted_tokens,
             "rollout/tokens_aborted": stats["tokens_aborted"],
+            "rollout/tokens_screened": stats["tokens_screened"],
             "rollout/wasted_fraction": 1 - accepted_tokens / max(1, stats["tokens"]),
             "rollout/time_to_batch_s": time.perf_counter() - start,
             "rollout/engine_load_max": max(loads),

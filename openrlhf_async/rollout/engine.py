@@ -123,41 +123,38 @@ class LLMRayActorAsync:
         }
 
     async def generate_group(self, prompt_ids: list, label, n: int, sampling: dict, group_id: str,
-                             budget, agent_path: str = None) -> list:
+                             budget, agent_path: str = None, screen: int = 0, screen_eps: float = 1e-6) -> list:
         """A prompt's n agent episodes, run concurrently; each is scored by the agent the moment it ends.
         budget: response tokens per episode (the model's and the environment's), or a list of n budgets.
-        agent_path: the agent file (None: the run's own); another one is loaded once, then kept."""
+        agent_path: the agent file (None: the run's own); another one is loaded once, then kept.
+        screen: run this many episodes first and the rest only if their scores vary (fewer than n come back
+        when they do not; see episode.run_group); 0: all n at once."""
         from vllm import SamplingParams
 
         from openrlhf_async.agent import load_agent
-        from openrlhf_async.rollout.episode import run_episode, run_executor_episode
+        from openrlhf_async.rollout.episode import run_episode, run_executor_episode, run_group
 
         agent_path = self.agent_path if agent_path is None else agent_path
         if agent_path not in self.agents:
             self.agents[agent_path] = load_agent(agent_path, self.agent_workers)
         agent = self.agents[agent_path]
         budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * n
+        prompt_text = self.tokenizer.decode(prompt_ids) if self.reward is not None else None
+
+        def episode(i: int):
+            if agent.kind == "executor":
+                ep = run_executor_episode(
+                    lambda ids, params, rid: self._request(ids, params, rid, group_id), agent, self.tokenizer,
+                    prompt_ids, label, SamplingParams(logprobs=0, **sampling), budgets[i], f"{group_id}-{i}")
+            else:
+                ep = run_episode(lambda ids, smp, rid: self.generate(ids, smp, rid, group_id), agent,
+                                 self.tokenizer, prompt_ids, label, sampling, budgets[i], self.agent_max_steps,
+                                 self.agent_step_timeout, f"{group_id}-{i}")
+            return ep if self.reward is None else self._rescored(ep, prompt_text, label)
+
         self.groups.setdefault(group_id, set())
         try:
-            if agent.kind == "executor":
-                episodes = [
-                    run_executor_episode(
-                        lambda ids, params, rid: self._request(ids, params, rid, group_id), agent,
-                        self.tokenizer, prompt_ids, label, SamplingParams(logprobs=0, **sampling), budgets[i],
-                        f"{group_id}-{i}")
-                    for i in range(n)
-                ]
-            else:
-                episodes = [
-                    run_episode(lambda ids, smp, rid: self.generate(ids, smp, rid, group_id), agent,
-                                self.tokenizer, prompt_ids, label, sampling, budgets[i], self.agent_max_steps,
-                                self.agent_step_timeout, f"{group_id}-{i}")
-                    for i in range(n)
-                ]
-            if self.reward is not None:
-                prompt_text = self.tokenizer.decode(prompt_ids)
-                episodes = [self._rescored(ep, prompt_text, label) for ep in episodes]
-            return list(await asyncio.gather(*episodes))
+            return await run_group(episode, n, screen, screen_eps)
         finally:
             self.groups.pop(group_id, None)
             self.aborted_groups.discard(group_id)

@@ -11,6 +11,26 @@ import asyncio
 from openrlhf_async.reward.sources import RewardError, RewardTimeout
 
 
+def scores_vary(scores: list, eps: float = 1e-6) -> bool:
+    """Whether a group's scores carry a learning signal: their standard deviation is above eps (DAPO's filter)."""
+    mean = sum(scores) / len(scores)
+    return (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5 > eps
+
+
+async def run_group(episode, n: int, screen: int = 0, eps: float = 1e-6) -> list:
+    """A prompt's n episodes, run concurrently; episode(i) returns the i-th one's coroutine.
+    With screen M (0 < M < n) the first M run alone, and the other n - M start only if the M scores vary. A group
+    whose first M samples all score the same is most likely flat (all n would), so it comes back with those M
+    alone and no more tokens are spent on it (SPEED-RL's screening). The M are a fixed subset, not the first to
+    finish, so a group is not judged by its shortest answers."""
+    if not 0 < screen < n:
+        return list(await asyncio.gather(*(episode(i) for i in range(n))))
+    first = list(await asyncio.gather(*(episode(i) for i in range(screen))))
+    if any(ep["aborted"] for ep in first) or not scores_vary([ep["score"] for ep in first], eps):
+        return first
+    return first + list(await asyncio.gather(*(episode(i) for i in range(screen, n))))
+
+
 class EpisodeAborted(Exception):
     """The episode's group was aborted (early stop) before or while it generated."""
 
