@@ -7,7 +7,8 @@ is measured too (`baseline_dapo3x_*`).
 Ours: FIFO groups under the load balancer, each filtered as it finishes; once `target` are valid, queued groups
 never start. Running groups are either aborted (`ours_abort_*`, the synchronous trainer's default) or carried
 over into the next batch (`ours_*`: partial rollout across batches, as --mode fully_async does; the groups still
-running after the last batch are aborted and their tokens counted as waste). Since carried groups are not lost,
+running after the last batch are aborted and their tokens counted as waste, a one-off cost that `*_tokens_steady`
+leaves out, as a long training run would). Since carried groups are not lost,
 ours keeps more groups in flight (--carry_over_margin, i.e. --rollout.admission_margin 1), which keeps the
 engines' batches full; ours_abort keeps --admission_margin (default 0, the trainer's default).
 
@@ -17,7 +18,10 @@ have equal rewards. By default every prompt is new. With --dataset_size D the st
 after epoch, as training does, and a prompt's pass rate drifts between epochs (a flat prompt stays flat with
 probability --flat_persistence, and the flat share stays about 40%); ours then also passes over a prompt whose
 last group was flat with probability --skip_flat (--rollout.skip_flat_prompts), and `ours_noskip_*` measures
-ours without it. Each method runs `--batches` batches; figures are per batch. Prints a final JSON line."""
+ours without it. `ours_screen_*` is ours with screening (--rollout.screen_samples, --screen_samples here): a
+group's first M samples run alone and the rest only if their rewards vary, so a flat group costs M/n of its
+tokens, and a varied group whose first M happen to agree is dropped too. Each method runs `--batches` batches;
+figures are per batch. Prints a final JSON line."""
 
 import argparse
 import json
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
                         help="--dataset_size: chance that a flat prompt is flat again in the next epoch")
     parser.add_argument("--skip_flat", type=float, default=0.8,
                         help="--dataset_size: ours passes over a prompt whose last group was flat this often")
+    parser.add_argument("--screen_samples", type=int, default=4,
+                        help="ours_screen: samples a group runs first, the rest only if their rewards vary")
     parser.add_argument("--methods", default="", help="comma-separated methods to run (default: all); the baseline "
                                                       "always runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
         "baseline_dapo3x": dict(early_stop=False, wave_size=wave_dapo, max_concurrent_prompts=wave_dapo),
         "ours_abort": dict(early_stop=True, skip=skip),
         "ours": dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin, skip=skip),
+        "ours_screen": dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin, skip=skip,
+                            screen_samples=args.screen_samples),
     }
     if skip:
         methods["ours_noskip"] = dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin)
@@ -177,15 +185,18 @@ def main(argv=None) -> int:
             groups, m = controller.run(next_prompt, target)
             assert len(groups) == target
             m["prompts_skipped"] = len(sampler.take_skipped()) if sampler else 0
+            m["end_pool_tokens"] = 0
             if batch == batches - 1:  # what is still running will never be used
                 closed = controller.close()
                 m["rollout/tokens_generated"] += closed["tokens"]
                 m["rollout/groups_aborted"] += closed["aborted"]
+                m["end_pool_tokens"] = closed["tokens_aborted"]  # carried groups, running or finished and unused
             m["wall_s"] = time.perf_counter() - start
             out.append(m)
             print(f"batch {batch} {name:16s}: {m['wall_s']:.1f} s, {m['rollout/tokens_generated']} tokens "
                   f"({m['rollout/tokens_accepted']} accepted), groups started {m['rollout/groups_started']}, "
-                  f"filtered {m['rollout/groups_filtered']}, aborted {m['rollout/groups_aborted']}, "
+                  f"filtered {m['rollout/groups_filtered']} (screened {m['rollout/groups_screened']}), "
+                  f"aborted {m['rollout/groups_aborted']}, "
                   f"carried in {m['rollout/groups_carried_in']}, prompts skipped {m['prompts_skipped']}",
                   file=sys.stderr, flush=True)
         return out
@@ -205,19 +216,27 @@ def main(argv=None) -> int:
     for name in methods:
         out[f"{name}_s"] = round(per_batch(name, "wall_s"), 2)
         out[f"{name}_tokens"] = round(per_batch(name, "rollout/tokens_generated"))
+        # A training run of many batches pays for the carried-over pool once, not once per batch: the per-batch
+        # cost without the pool left at the end (0 for methods that carry nothing over).
+        out[f"{name}_tokens_steady"] = round(out[f"{name}_tokens"] - per_batch(name, "end_pool_tokens"))
     for name in [m for m in methods if m.startswith("ours")]:
         for base in [b for b in ("baseline", "baseline_dapo3x") if b in methods]:
             suffix = name[4:] + ("" if base == "baseline" else "_vs_dapo3x")
             out[f"speedup{suffix}"] = round(out[f"{base}_s"] / out[f"{name}_s"], 2)
             out[f"token_saving{suffix}"] = round(1 - out[f"{name}_tokens"] / out[f"{base}_tokens"], 3)
+            out[f"token_saving_steady{suffix}"] = round(1 - out[f"{name}_tokens_steady"] / out[f"{base}_tokens"], 3)
     for name in methods:
         out[f"wasted_fraction_{name}"] = round(wasted(name), 3)
+    for name in [m for m in methods if m.startswith("ours")]:  # tokens not trained on, against the baseline's
+        out[f"waste_saving{name[4:]}"] = round(1 - wasted(name) * out[f"{name}_tokens"]
+                                               / (wasted("baseline") * out["baseline_tokens"]), 3)
     if skip and "ours" in methods:
         out["prompts_skipped_ours"] = round(per_batch("ours", "prompts_skipped"), 1)
     out.update(target=args.target, n=args.n, engines=args.engines, batches=args.batches,
                max_num_seqs=args.max_num_seqs, admission_margin=args.admission_margin,
                carry_over_margin=args.carry_over_margin, dataset_size=size,
-               flat_persistence=args.flat_persistence if size else None, skip_flat=skip)
+               flat_persistence=args.flat_persistence if size else None, skip_flat=skip,
+               screen_samples=args.screen_samples)
     print(json.dumps(out))
     return 0
 

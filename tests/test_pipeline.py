@@ -22,10 +22,12 @@ def prompts(tiny_model_path):
     return tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
 
 
-def _cfg(stack_cfg, mode, steps=3, **train):
+def _cfg(stack_cfg, mode, steps=3, rollout=None, **train):
     cfg = copy.deepcopy(stack_cfg)
     cfg.mode, cfg.train.max_steps = mode, steps
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = 4, 4
+    for key, value in (rollout or {}).items():
+        setattr(cfg.rollout, key, value)
     for key, value in train.items():
         setattr(cfg.train, key, value)
     return cfg
@@ -51,13 +53,16 @@ def _run(cfg, engines, policy, weight_sync, prompts, **kwargs):
     return summary, [m for m in logged if m["step"] > 0]
 
 
-@pytest.mark.parametrize("mode,train", [
-    ("sync", {}),
-    ("async", {"async_queue_size": 2}),
-    ("fully_async", {"partial_rollout": True, "require_batches": 2, "trigger_parameter_sync_step": 1}),
+@pytest.mark.parametrize("mode,train,rollout", [
+    ("sync", {}, {}),
+    ("async", {"async_queue_size": 2}, {}),
+    # Screened groups (2 samples of 4) are dropped before the trainer, which cannot take a ragged batch.
+    ("fully_async", {"partial_rollout": True, "require_batches": 2, "trigger_parameter_sync_step": 1},
+     {"screen_samples": 2}),
 ])
-def test_each_mode_trains_within_its_staleness_limit(mode, train, engines, policy, weight_sync, prompts, stack_cfg):
-    cfg = _cfg(stack_cfg, mode, **train)
+def test_each_mode_trains_within_its_staleness_limit(mode, train, rollout, engines, policy, weight_sync, prompts,
+                                                     stack_cfg):
+    cfg = _cfg(stack_cfg, mode, rollout=rollout, **train)
     first = min(ray.get([e.get_weight_version.remote() for e in engines]))
     summary, steps = _run(cfg, engines, policy, weight_sync, prompts)
     assert [m["step"] for m in steps] == [1, 2, 3]
@@ -66,6 +71,7 @@ def test_each_mode_trains_within_its_staleness_limit(mode, train, engines, polic
         assert math.isfinite(m["loss"]) and m["staleness/max"] <= cfg.staleness_limit
         assert m["rollout/groups_accepted"] == cfg.rollout.batch_size * cfg.train.require_batches
         assert m["queue/depth"] <= cfg.queue_size and 0 <= m["trainer/idle_ratio"] <= 1
+        assert m["rollout/tokens_screened"] <= m["rollout/groups_screened"] * 2 * cfg.rollout.max_new_tokens
         for key in ("rollouter/idle_ratio", "partial_ratio", "max_partial_span", "staleness/mean",
                     "staleness/stale_samples", "timing/sync_s", "is_weight_mean"):
             assert key in m
@@ -77,6 +83,8 @@ def test_each_mode_trains_within_its_staleness_limit(mode, train, engines, polic
     # Drawn and not used up: only groups still running at the end (carried over, never trained).
     missing = set(range(max(used) + 1)) - set(used)
     assert len(missing) <= (steps[-1]["rollout/groups_carried_out"] if mode == "fully_async" else 0)
+    if rollout:
+        assert sum(m["rollout/groups_screened"] for m in steps) > 0, "the warm model's easy prompts screen flat"
     if mode == "sync":
         assert summary["max_staleness"] == 0 and summary["stale_samples_trained"] == 0
     for engine in engines:  # the generator aborted what it had left running

@@ -1,6 +1,8 @@
 """The rollout controller: FIFO task creation, a global least-load balancer, the dynamic-sampling filter applied
 to each group as it completes, and early stop (queued groups never start, running ones are aborted in vLLM).
 
+With screening on, a group whose first samples all score the same comes back from its engine with those alone,
+and is dropped as flat.
 With early stop off it runs the usual dynamic sampling instead: generate a whole wave of prompts, wait for all of
 it, filter, and start another wave until enough groups are valid. Both modes share everything else.
 A group whose engine actor dies restarts from its prompt on a live engine; the dead engine is not used again."""
