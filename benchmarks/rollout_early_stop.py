@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--carry_over_margin", type=float, default=1.0,
                         help="ours (carry-over): the same; running groups are not lost, so more may start")
     parser.add_argument("--max_num_seqs", type=int, default=256, help="sequences each engine decodes at once")
-    parser.add_argument("--batches", type=int, default=3, help="batches per method (figures are per batch)")
+    parser.add_argument("--batches", type=int, default=8, help="batches per method (figures are per batch)")
     parser.add_argument("--dataset_size", type=int, default=0,
                         help="prompts the stream goes over epoch after epoch (0: every prompt is new)")
     parser.add_argument("--flat_persistence", type=float, default=0.8,
