@@ -222,6 +222,9 @@ def main(argv=None) -> int:
         # cost without the pool left at the end (0 for methods that carry nothing over).
         out[f"{name}_tokens_steady"] = round(out[f"{name}_tokens"] - per_batch(name, "end_pool_tokens"))
     for name in [m for m in methods if m.startswith("ours")]:
+        # Tokens not trained on, against the baseline's.
+        out[f"waste_saving{name[4:]}"] = round(1 - wasted(name) * out[f"{name}_tokens"]
+                                               / (wasted("baseline") * out["baseline_tokens"]), 3)
         for base in [b for b in ("baseline", "baseline_dapo3x") if b in methods]:
             suffix = name[4:] + ("" if base == "baseline" else "_vs_dapo3x")
             out[f"speedup{suffix}"] = round(out[f"{base}_s"] / out[f"{name}_s"], 2)
@@ -229,9 +232,6 @@ def main(argv=None) -> int:
             out[f"token_saving_steady{suffix}"] = round(1 - out[f"{name}_tokens_steady"] / out[f"{base}_tokens"], 3)
     for name in methods:
         out[f"wasted_fraction_{name}"] = round(wasted(name), 3)
-    for name in [m for m in methods if m.startswith("ours")]:  # tokens not trained on, against the baseline's
-        out[f"waste_saving{name[4:]}"] = round(1 - wasted(name) * out[f"{name}_tokens"]
-                                               / (wasted("baseline") * out["baseline_tokens"]), 3)
     if skip and "ours" in methods:
         out["prompts_skipped_ours"] = round(per_batch("ours", "prompts_skipped"), 1)
     out.update(target=args.target, n=args.n, engines=args.engines, batches=args.batches,

@@ -76,6 +76,11 @@ def overlong_penalty(length: int, budget: int, buffer: int, factor: float) -> fl
     return -factor * min(1.0, (length - (budget - buffer)) / buffer)
 
 
+def group_tokens(group: list) -> int:
+    """Tokens the model generated for a group's episodes (observation tokens left out)."""
+    return sum(sum(ep["action_mask"]) for ep in group)
+
+
 class LocalHandle:
     """Calls an in-process object the way Ray calls an actor: handle.method.remote(...) returns an awaitable.
     Lets tests and the controller benchmark drive the controller with fake engines."""
@@ -302,7 +307,7 @@ class RolloutController:
                     screened = len(group) < self.n  # its first samples all scored the same: dropped as flat
                     if screened:
                         stats["screened"] += 1
-                        stats["tokens_screened"] += sum(sum(ep["action_mask"]) for ep in group)
+                        stats["tokens_screened"] += group_tokens(group)
                     record["valid"] = not screened and self._keep(group)
                     finished_order.append(record)
                     if self.on_group is not None:
@@ -343,7 +348,7 @@ class RolloutController:
         if batch is None:
             raise RuntimeError("rollout ended without enough valid groups")
 
-        accepted_tokens = sum(sum(ep["action_mask"]) for r in batch for ep in r["group"])
+        accepted_tokens = sum(group_tokens(r["group"]) for r in batch)
         loads = self.balancer.mean_loads()
         metrics = {
             "rollout/groups_started": stats["started"],
@@ -411,7 +416,7 @@ class RolloutController:
                     stats["aborted"] += 1
                 elif r["group"] is not None:  # finished and valid, but never used
                     stats["aborted"] += 1
-                    stats["tokens_aborted"] += sum(sum(ep["action_mask"]) for ep in r["group"])
+                    stats["tokens_aborted"] += group_tokens(r["group"])
             self.carried = []
             await self._abort(dict(pending), pending, stats)
             return stats
@@ -446,7 +451,7 @@ class RolloutController:
                 self._last_engine_error = task.exception()
                 self.balancer.mark_dead(record["engine"])
             elif task in done and not task.cancelled() and task.exception() is None:
-                tokens = sum(sum(ep["action_mask"]) for ep in task.result())
+                tokens = group_tokens(task.result())
                 stats["tokens"] += tokens
                 stats["tokens_aborted"] += tokens
             elif task in not_done:
