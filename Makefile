@@ -6,9 +6,18 @@ PY := $(VENV)/bin/python
 DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.installed-$(DEVICE)
 
-.PHONY: install demo test clean
+.PHONY: install bwrap demo test clean
 
-install: $(STAMP)
+install: $(STAMP) bwrap
+
+# Agent tools run model-written code under bubblewrap (Debian's package bubblewrap). Without it that code is
+# refused (unless --agent.sandbox unsafe); the rest works.
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  echo "installing bubblewrap (the code sandbox of agent tools)"; \
+	  { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; } \
+	  || echo "make: could not install bubblewrap (apt-get install bubblewrap): agent tools will refuse to run model code unless --agent.sandbox unsafe"; }
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

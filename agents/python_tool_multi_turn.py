@@ -5,8 +5,9 @@ Use: --train.agent_func_path agents/python_tool_multi_turn.py --agent.max_steps 
 \\boxed{}.").
 
 Each turn the model writes an action; `step(state, action, label)` then either
-- runs the last fenced ```python block of the action in the sandbox (openrlhf_async/agent/sandbox.py: no network,
-  no processes, writes only in its own temporary directory, bounded time and memory) and returns its output as
+- runs the last fenced ```python block of the action in the sandbox (openrlhf_async/agent/sandbox.py: bubblewrap,
+  an unprivileged uid, no network, sees only its own processes, writes only in its own small tmpfs, bounded
+  time, memory and processes; --agent.sandbox unsafe runs it without isolation) and returns its output as
   the observation, "\\n```output\\n...\\n```\\n" (stderr and tracebacks included, cut at MAX_OUTPUT characters,
   a timeout said in words), with reward 0 and done False, so the model continues after the output; or
 - when the action has no code block (a final \\boxed{} answer, or nothing to run), or on the last turn, scores

@@ -1,55 +1,68 @@
-"""The code-execution sandbox contains hostile code: time, memory, processes, network, secrets, files.
+"""The code-execution sandbox contains hostile code, assumed to run arbitrary native code.
 
-Where two layers both claim a protection (namespaces and the audit hook), each is also tested alone, so that
-neither hides a hole in the other. Each test is written so that it fails when the protection is missing."""
+The boundary is bubblewrap: every hostile payload runs twice, with the in-interpreter audit hook and with it
+turned off, and must be contained both times (the OS layer alone holds). The hook is tested on its own only in
+the `unsafe` mode, where it is all there is. Each test fails when the protection it names is missing."""
 
 import asyncio
 import dis
 import os
+import signal
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 import uuid
 
 import pytest
 
-from openrlhf_async.agent.sandbox import PREAMBLE, _run, isolation_available, run_python, run_python_async
+from openrlhf_async.agent import sandbox
+from openrlhf_async.agent.sandbox import PREAMBLE, SandboxUnavailable, run_python, run_python_async
 
-LAYERS = {"both": (True, True), "namespaces alone": (True, False), "audit hook alone": (False, True)}
+HOOK = {"hook on": True, "OS layer alone": False}
 HOME = os.path.expanduser("~")
 
 
-def run_in(layers: str, code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096) -> dict:
-    isolate, audit = LAYERS[layers]
-    if isolate and not isolation_available():
-        pytest.skip("user/network/PID/mount namespaces (unshare -rnpm) are not available on this machine")
-    return asyncio.run(_run(textwrap.dedent(code), timeout, memory_mb, max_output, isolate, audit))
+@pytest.fixture(scope="module", autouse=True)
+def bwrap_works():
+    reason = sandbox.unavailable_reason("bwrap")
+    assert not reason, f"the sandbox needs bubblewrap here (`make install` installs it): {reason}"
 
 
-def processes_in(directory: str) -> list:
-    """Host processes whose working directory is the sandbox's (left behind if containment failed)."""
+def run(code: str, hook: str = "hook on", **kwargs) -> dict:
+    return run_python(textwrap.dedent(code), audit=HOOK[hook], **kwargs)
+
+
+def host_processes_with(marker: str) -> list:
+    """Host processes whose command line holds marker (left behind if containment failed)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.readlink(f"/proc/{pid}/cwd").startswith(directory):
-                found.append(int(pid))
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
         except OSError:
             pass
     return found
 
 
 @pytest.fixture
-def home_file():
-    path = os.path.join(HOME, f"sandbox-escape-{uuid.uuid4().hex}.txt")
-    yield path
-    if os.path.exists(path):
-        os.remove(path)
+def outside(tmp_path):
+    """A folder of the host's, writable by the engine's user: the code must not write here."""
+    os.chmod(tmp_path, 0o777)
+    return str(tmp_path)
 
+
+def nothing_written(folder: str) -> bool:
+    return os.listdir(folder) == []
+
+
+# --- what ordinary code needs --------------------------------------------------------------------------------
 
 def test_prints_work():
-    result = run_python("print(1+1)")
-    assert result == {"stdout": "2\n", "stderr": "", "exit_code": 0, "timed_out": False, "truncated": False}
+    assert run_python("print(1+1)") == {"stdout": "2\n", "stderr": "", "exit_code": 0, "timed_out": False,
+                                        "truncated": False}
 
 
 def test_errors_come_back_as_a_traceback_of_the_users_code():
@@ -59,178 +72,33 @@ def test_errors_come_back_as_a_traceback_of_the_users_code():
     assert result["stderr"].rstrip().endswith("ZeroDivisionError: division by zero")
 
 
-def test_an_infinite_loop_times_out_and_is_killed():
-    start = time.monotonic()
-    result = run_python("print('started', flush=True)\nwhile True:\n    pass", timeout=1.0)
-    assert time.monotonic() - start < 1.0 + 2.0
-    assert result["timed_out"] and result["exit_code"] != 0
-    assert result["stdout"] == "started\n", "output written before the timeout is kept"
-
-
-def test_a_large_allocation_fails_fast():
-    start = time.monotonic()
-    result = run_python("x = bytearray(4 << 30)\nprint('allocated')", timeout=10.0)
-    assert time.monotonic() - start < 3.0 and not result["timed_out"]
-    assert result["exit_code"] != 0 and "MemoryError" in result["stderr"] and "allocated" not in result["stdout"]
-
-
-def test_a_fork_bomb_is_contained():
-    start = time.monotonic()
-    result = run_python("import os\nprint(os.getcwd(), flush=True)\nwhile True:\n    os.fork()", timeout=3.0)
-    assert time.monotonic() - start < 3.0 + 2.0
-    assert result["exit_code"] != 0
-    workdir = result["stdout"].splitlines()[0]
-    assert workdir.startswith("/") and processes_in(workdir) == []
-
-
-@pytest.mark.parametrize("layers", ["namespaces alone", "audit hook alone"])
-def test_processes_that_leave_the_process_group_do_not_outlive_the_run(layers):
-    # Children that setsid() escape the killed process group; only the PID namespace takes them down with it
-    # (and the audit hook refuses the fork in the first place).
-    result = run_in(layers, """
-        import os, time
-        print(os.getcwd(), flush=True)
-        for _ in range(3):
-            if os.fork() == 0:
-                os.setsid()
-                time.sleep(30)
-                os._exit(0)
-        time.sleep(30)
-    """, timeout=1.0)
-    workdir = result["stdout"].splitlines()[0]
-    left = processes_in(workdir)
-    for pid in left:
-        os.kill(pid, 9)
-    assert left == []
-
-
-def test_secrets_in_the_environment_are_not_visible(monkeypatch):
-    secret = f"s3cret-{uuid.uuid4().hex}"
-    monkeypatch.setenv("OPENRLHF_TEST_SECRET", secret)
-    # A process started with the secret in its initial environment: readable through /proc/PID/environ
-    # unless the sandbox has its own PID namespace and /proc.
-    holder = subprocess.Popen(["sleep", "30"], env={**os.environ})
-    try:
-        result = run_python(f"""
-import glob, os
-print("env:", os.environ.get("OPENRLHF_TEST_SECRET"), sorted(os.environ))
-for path in glob.glob("/proc/*/environ"):
-    try:
-        if {secret.encode()!r} in open(path, "rb").read():
-            print("leaked through", path)
-    except OSError:
-        pass
-""")
-    finally:
-        holder.kill()
-        holder.wait()
-    assert result["exit_code"] == 0, result["stderr"]
-    assert "env: None" in result["stdout"] and "OPENRLHF_TEST_SECRET" not in result["stdout"]
-    if isolation_available():
-        assert "leaked" not in result["stdout"]
-
-
-@pytest.fixture
-def listening_server():
-    """A TCP server of the host on every address: what the sandbox must not reach."""
-    server = socket.create_server(("0.0.0.0", 0))
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("10.255.255.255", 1))  # no packet is sent: this picks the host's outward address
-        host_ip = probe.getsockname()[0]
-    except OSError:
-        host_ip = None
-    finally:
-        probe.close()
-    yield host_ip, server.getsockname()[1]
-    server.close()
-
-
-@pytest.mark.parametrize("layers", list(LAYERS))
-def test_no_network(layers, listening_server):
-    host_ip, port = listening_server
-    targets = [("127.0.0.1", port)] + ([(host_ip, port)] if host_ip else [])
-    result = run_in(layers, f"""
-        import socket
-        for target in {targets!r}:
-            try:
-                socket.create_connection(target, timeout=2).close()
-                print("connected to", target)
-            except OSError as e:
-                print("refused", target, type(e).__name__)
-        try:
-            socket.socket().bind(("127.0.0.1", 0))
-            server = socket.create_server(("127.0.0.1", 0))
-            socket.create_connection(server.getsockname(), timeout=2)
-            print("connected to its own loopback server")
-        except OSError as e:
-            print("loopback refused", type(e).__name__)
-    """)
-    assert "connected" not in result["stdout"]
-    assert result["stdout"].count("refused") == len(targets) + 1, result["stdout"] + result["stderr"]
-
-
-@pytest.mark.parametrize("layers", list(LAYERS))
-def test_writing_to_the_home_folder_fails(layers, home_file):
-    result = run_in(layers, f"""
-        with open({home_file!r}, "w") as f:
-            f.write("escaped")
-    """)
-    assert result["exit_code"] != 0 and ("PermissionError" in result["stderr"] or "Read-only" in result["stderr"])
-    assert not os.path.exists(home_file)
-
-
-def test_writing_inside_the_working_directory_works():
+def test_writing_inside_the_working_directory_works_and_site_packages_import():
     result = run_python("""
-import os, pathlib
+import os, pathlib, tempfile
+import numpy
 pathlib.Path("data").mkdir()
 pathlib.Path("data/x.txt").write_text("kept")
 os.rename("data/x.txt", "data/y.txt")
-print(open("data/y.txt").read(), os.listdir("data"), os.environ["HOME"] == os.getcwd())
+with tempfile.NamedTemporaryFile() as f:
+    f.write(b"tmp works")
+print(open("data/y.txt").read(), os.listdir("data"), os.environ["HOME"] == os.getcwd(), numpy.add(1, 2))
 """)
     assert result["exit_code"] == 0, result["stderr"]
-    assert result["stdout"] == "kept ['y.txt'] True\n"
+    assert result["stdout"] == "kept ['y.txt'] True 3\n"
 
 
-@pytest.mark.parametrize("layers", ["both", "audit hook alone"])
-def test_a_subprocess_call_fails(layers):
-    result = run_in(layers, "import subprocess\nsubprocess.run(['ls'])\nprint('ran ls')")
-    assert result["exit_code"] != 0 and "PermissionError" in result["stderr"] and "ran ls" not in result["stdout"]
-
-
-BYPASSES = [
-    ("posixsubprocess directly", "import _posixsubprocess\n_posixsubprocess.fork_exec()"),
-    ("posixsubprocess reimported", "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess"),
-    ("ctypes libc call", "import ctypes\nctypes.CDLL(None).getpid()"),
-    ("gc walk to the hook list", "import gc\ngc.get_objects()"),
-    ("subinterpreter", "import _xxsubinterpreters"),
-    ("os.system", "import os\nos.system('true')"),
-    ("dir_fd of the home folder", f"import os\nfd = os.open({HOME!r}, os.O_RDONLY)\n"
-                                  f"os.open('FILE', os.O_WRONLY | os.O_CREAT, dir_fd=fd)"),
-    ("symlink out of the working dir", f"import os\nos.symlink({HOME!r}, 'home')\nopen('home/FILE', 'w')"),
-    ("rename into the home folder", f"open('x', 'w').close()\nimport os\nos.rename('x', {HOME!r} + '/FILE')"),
-]
-
-
-@pytest.mark.parametrize("code", [code for _, code in BYPASSES], ids=[name for name, _ in BYPASSES])
-def test_the_audit_hook_closes_known_bypasses(code, home_file):
-    # Without namespaces the hook is the only guard: each of these is refused with PermissionError.
-    result = run_in("audit hook alone", code.replace("FILE", os.path.basename(home_file)) + "\nprint('escaped')")
-    assert "escaped" not in result["stdout"] and "PermissionError: sandbox:" in result["stderr"], result["stderr"]
-    assert not os.path.exists(home_file)
-
-
-def test_the_audit_hook_reads_no_globals():
-    # User code can rebind any global or builtin; a hook that looked one up could be turned off that way.
-    def code_objects(code):
-        yield code
-        for const in code.co_consts:
-            if hasattr(const, "co_code"):
-                yield from code_objects(const)
-
-    (hook,) = [c for c in code_objects(compile(PREAMBLE, "<preamble>", "exec")) if c.co_name == "hook"]
-    assert not [c for c in hook.co_consts if hasattr(c, "co_code")], "a nested function or comprehension"
-    assert {i.opname for i in dis.get_instructions(hook)}.isdisjoint({"LOAD_GLOBAL", "LOAD_NAME"})
+def test_the_code_runs_as_an_unprivileged_user_without_capabilities():
+    result = run("""
+        import ctypes, os
+        status = dict(line.split(":\\t") for line in open("/proc/self/status").read().splitlines() if ":\\t" in line)
+        print(os.getuid(), os.getgid(), status["CapEff"], status["CapBnd"], sorted(os.environ))
+        CLONE_NEWUSER = 0x10000000
+        print("unshare", ctypes.CDLL("libc.so.6").unshare(CLONE_NEWUSER))  # a nested namespace would regain caps
+    """, hook="OS layer alone")
+    uid, gid, effective, bounding, env = result["stdout"].splitlines()[0].split(" ", 4)
+    assert uid == gid and int(uid) not in (0, os.geteuid()), "its own unprivileged uid, not root nor the engine's"
+    assert effective == bounding == "0000000000000000" and env.startswith("['HOME', 'LANG',")
+    assert result["stdout"].endswith("unshare -1\n"), result
 
 
 def test_output_is_truncated():
@@ -278,3 +146,314 @@ def test_runs_at_once_from_a_uvloop_loop_and_from_threads():
     finally:
         asyncio.set_event_loop_policy(policy)
     assert [r["stdout"] for r in results] == [f"{i}\n" for i in range(8)], [r["stderr"] for r in results]
+
+
+# --- hostile payloads, each with the hook on and with the OS layer alone -----------------------------------
+
+HOOK_DEFEAT = """
+    import ctypes, os, sys
+    try:
+        os.system("true")
+    except PermissionError as e:  # the hook refused; its deny set is a local of the frame that raised
+        tb = e.__traceback__
+        while tb.tb_next:
+            tb = tb.tb_next
+        deny = tb.tb_frame.f_locals["deny"]
+        entry = next(s for s in deny if s == "os.system")
+        ctypes.memmove(id(entry) + sys.getsizeof("") - 1, b"xx", 2)  # rewrite the string in place
+    print("shell status", os.system("id -u; mount -o remount,bind,rw /; echo escaped > OUTSIDE/f; "
+                                    "echo escaped > /usr/escaped; echo escaped > HOME_FILE"))
+"""
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_defeating_the_hook_then_a_shell_is_contained(hook, outside, tmp_path_factory):
+    home_file = os.path.join(HOME, f"sandbox-escape-{uuid.uuid4().hex}")
+    code = HOOK_DEFEAT.replace("OUTSIDE", outside).replace("HOME_FILE", home_file)
+    result = run(code, hook)
+    try:
+        assert "shell status" in result["stdout"], result["stderr"]  # the trick works: the shell did run
+        assert result["stdout"].split()[0] != "0" and nothing_written(outside) and not os.path.exists(home_file)
+        assert not os.path.exists("/usr/escaped")
+    finally:
+        for path in (home_file, "/usr/escaped"):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_native_libc_system_is_contained(hook, outside):
+    result = run(f"""
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        print("status", libc.system(b"echo escaped > {outside}/f; touch {sys.prefix}/escaped"))
+    """, hook)
+    assert nothing_written(outside) and not os.path.exists(os.path.join(sys.prefix, "escaped"))
+    assert ("status" in result["stdout"]) != HOOK[hook], "the hook refuses the call; without it the shell runs"
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_remounting_the_root_read_write_fails(hook):
+    result = run("""
+        import ctypes, errno, os
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        MS_REMOUNT, MS_BIND = 32, 4096
+        for target in (b"/", b"/usr"):
+            rc = libc.mount(None, target, None, MS_REMOUNT | MS_BIND, None)
+            print(target.decode(), rc, errno.errorcode.get(ctypes.get_errno()))
+        open("/usr/escaped", "w").write("x")
+    """, hook)
+    assert not os.path.exists("/usr/escaped")
+    if not HOOK[hook]:
+        assert result["stdout"] == "/ -1 EPERM\n/usr -1 EPERM\n", result["stdout"] + result["stderr"]
+        assert "Read-only file system" in result["stderr"]
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_writing_outside_the_working_folder_fails(hook, outside):
+    targets = [f"{outside}/f", f"{HOME}/sandbox-escape-{uuid.uuid4().hex}", f"{sys.prefix}/escaped", "/escaped",
+               "/dev/shm/escaped", "/proc/escaped"]
+    result = run(f"""
+        for path in {targets!r}:
+            try:
+                open(path, "w").write("escaped")
+                print("wrote", path)
+            except OSError as e:
+                print("refused", path, type(e).__name__)
+    """, hook)
+    assert "wrote" not in result["stdout"] and result["stdout"].count("refused") == len(targets), result
+    assert nothing_written(outside) and not any(os.path.exists(t) for t in targets[1:3])
+
+
+@pytest.fixture
+def listening_server():
+    """A TCP server of the host on every address: what the sandbox must not reach."""
+    server = socket.create_server(("0.0.0.0", 0))
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))  # no packet is sent: this picks the host's outward address
+        host_ip = probe.getsockname()[0]
+    except OSError:
+        host_ip = None
+    finally:
+        probe.close()
+    yield host_ip, server.getsockname()[1]
+    server.close()
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_no_network(hook, listening_server):
+    host_ip, port = listening_server
+    targets = [("127.0.0.1", port)] + ([(host_ip, port)] if host_ip else [])
+    result = run(f"""
+        import ctypes, socket
+        for target in {targets!r}:
+            try:
+                socket.create_connection(target, timeout=2).close()
+                print("connected to", target)
+            except OSError as e:
+                print("refused", target, type(e).__name__)
+    """, hook)
+    assert "connected" not in result["stdout"]
+    assert result["stdout"].count("refused") == len(targets) or (HOOK[hook] and "PermissionError" in result["stderr"])
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_the_parents_environment_and_processes_are_invisible(hook, monkeypatch):
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("OPENRLHF_TEST_SECRET", secret)
+    victim = subprocess.Popen(["sleep", "30"], env={**os.environ})  # a host process holding the secret
+    try:
+        result = run(f"""
+            import glob, os, signal
+            print("env:", os.environ.get("OPENRLHF_TEST_SECRET"))
+            for path in glob.glob("/proc/*/environ") + ["/proc/%d/environ" % os.getppid(), "/proc/{victim.pid}/environ"]:
+                try:
+                    if {secret.encode()!r} in open(path, "rb").read():
+                        print("leaked through", path)
+                except OSError:
+                    pass
+            print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+            for how in ("kill", "pidfd"):
+                try:
+                    if how == "kill":
+                        os.kill({victim.pid}, signal.SIGKILL)
+                    else:
+                        signal.pidfd_send_signal(os.pidfd_open({victim.pid}), signal.SIGKILL)
+                    print("signalled with", how)
+                except OSError as e:
+                    print("no", how, type(e).__name__)
+        """, hook)
+        assert result["exit_code"] == 0, result["stderr"]
+        assert "env: None" in result["stdout"] and "leaked" not in result["stdout"]
+        assert "signalled" not in result["stdout"] and victim.poll() is None, result["stdout"]
+        pids = eval(result["stdout"].split("pids ")[1].splitlines()[0])
+        assert max(pids) < 10, "only the sandbox's own few processes are visible"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_signalling_the_parent_does_not_reach_it(hook):
+    result = run("""
+        import os, signal
+        print("parent", os.getppid())
+        try:
+            os.kill(os.getppid(), signal.SIGKILL)
+        except OSError as e:
+            print(type(e).__name__)
+        print("still here")
+    """, hook)
+    # The parent inside is bwrap's own init (pid 1): the kernel shields it from its namespace's signals (or it
+    # belongs to another uid); the engine, the real parent, has no pid in there at all.
+    assert result["stdout"].startswith("parent 1\n") and result["stdout"].endswith("still here\n"), result
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_a_fork_bomb_is_contained_and_leaves_nothing(hook):
+    marker = f"forkbomb-{uuid.uuid4().hex}"
+    start = time.monotonic()
+    result = run(f"""
+        import os, sys
+        while True:
+            if os.fork() == 0:
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])
+    """, hook, timeout=3.0)
+    assert time.monotonic() - start < 3.0 + 3.0 and result["exit_code"] != 0
+    assert "BlockingIOError" in result["stderr"] or "PermissionError" in result["stderr"], result["stderr"][-300:]
+    assert host_processes_with(marker) == []
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_a_thread_bomb_stops_at_the_process_limit(hook):
+    result = run("""
+        import threading, time
+        started = 0
+        try:
+            while True:
+                threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+                started += 1
+        except RuntimeError as e:
+            print("threads", started, e)
+    """, hook, timeout=10.0)
+    assert result["stdout"].startswith("threads ") and int(result["stdout"].split()[1]) < sandbox.NPROC
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_a_memory_bomb_fails_fast(hook):
+    start = time.monotonic()
+    result = run("""
+        import ctypes
+        print("malloc", ctypes.CDLL("libc.so.6").malloc(ctypes.c_size_t(4 << 30)))
+        x = bytearray(4 << 30)
+        print("allocated")
+    """, hook, timeout=10.0, memory_mb=256)
+    assert time.monotonic() - start < 5.0 and not result["timed_out"]
+    assert "allocated" not in result["stdout"] and "MemoryError" in result["stderr"] or HOOK[hook]
+    assert "malloc" not in result["stdout"] or "malloc 0\n" in result["stdout"]
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_a_disk_bomb_stops_at_the_working_folders_size(hook):
+    result = run("""
+        import os
+        total = 0
+        for folder in (".", "/tmp", "/dev/shm", "/", "/dev"):
+            for i in range(1000):
+                try:
+                    with open(f"{folder}/fill-{len(folder)}-{i}", "wb") as f:
+                        f.write(b"x" * (8 << 20))
+                    total += 8 << 20
+                except OSError:
+                    name = f"{folder}/fill-{len(folder)}-{i}"
+                    total += os.path.getsize(name) if os.path.exists(name) else 0
+                    break
+        print("wrote", total)
+    """, hook, timeout=10.0)
+    assert int(result["stdout"].split()[1]) <= sandbox.WORKDIR_MB << 20, result
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+@pytest.mark.parametrize("ends", ["by timeout", "by returning"])
+def test_no_process_outlives_the_run(hook, ends):
+    marker = f"daemon-{uuid.uuid4().hex}"
+    result = run(f"""
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:  # a daemon: double fork, own session
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])
+            os._exit(0)
+        time.sleep(0.5)
+        print("daemon started", flush=True)
+        {"time.sleep(60)" if ends == "by timeout" else "pass"}
+    """, hook, timeout=2.0)
+    assert ("daemon started" in result["stdout"]) != HOOK[hook], result["stderr"]
+    left = host_processes_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+# --- without isolation -----------------------------------------------------------------------------------
+
+def test_without_bubblewrap_model_code_is_refused_with_one_line(monkeypatch):
+    monkeypatch.setattr(sandbox, "_probed", {})
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable) as error:
+        run_python("print(1)")
+    message = str(error.value)
+    assert "\n" not in message and "bwrap" in message and "--agent.sandbox unsafe" in message
+
+
+def test_the_mode_comes_from_the_engines_environment(monkeypatch):
+    monkeypatch.setenv(sandbox.MODE_ENV, "unsafe")
+    assert run_python("import os\nprint(os.getuid() == 65534)")["stdout"] == "False\n"
+    monkeypatch.setenv(sandbox.MODE_ENV, "off")
+    with pytest.raises(SandboxUnavailable, match="use bwrap or unsafe"):
+        run_python("print(1)")
+
+
+BYPASSES = [
+    ("posixsubprocess directly", "import _posixsubprocess\n_posixsubprocess.fork_exec()"),
+    ("posixsubprocess reimported", "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess"),
+    ("ctypes libc call", "import ctypes\nctypes.CDLL(None).getpid()"),
+    ("gc walk to the hook list", "import gc\ngc.get_objects()"),
+    ("subinterpreter", "import _xxsubinterpreters"),
+    ("os.system", "import os\nos.system('true')"),
+    ("dir_fd of the home folder", f"import os\nfd = os.open({HOME!r}, os.O_RDONLY)\n"
+                                  f"os.open('FILE', os.O_WRONLY | os.O_CREAT, dir_fd=fd)"),
+    ("symlink out of the working dir", f"import os\nos.symlink({HOME!r}, 'home')\nopen('home/FILE', 'w')"),
+    ("rename into the home folder", f"open('x', 'w').close()\nimport os\nos.rename('x', {HOME!r} + '/FILE')"),
+]
+
+
+@pytest.mark.parametrize("code", [code for _, code in BYPASSES], ids=[name for name, _ in BYPASSES])
+def test_in_unsafe_mode_the_audit_hook_refuses_known_bypasses(code):
+    # The extra layer: each of these is refused with PermissionError before the OS layer is even needed.
+    name = f"sandbox-escape-{uuid.uuid4().hex}"
+    result = run_python(code.replace("FILE", name) + "\nprint('escaped')", mode="unsafe")
+    assert "escaped" not in result["stdout"] and "PermissionError: sandbox:" in result["stderr"], result["stderr"]
+    assert not os.path.exists(os.path.join(HOME, name))
+
+
+def test_the_audit_hook_reads_no_globals():
+    # User code can rebind any global or builtin; a hook that looked one up could be turned off that way.
+    def code_objects(code):
+        yield code
+        for const in code.co_consts:
+            if hasattr(const, "co_code"):
+                yield from code_objects(const)
+
+    (hook,) = [c for c in code_objects(compile(PREAMBLE, "<preamble>", "exec")) if c.co_name == "hook"]
+    assert not [c for c in hook.co_consts if hasattr(c, "co_code")], "a nested function or comprehension"
+    assert {i.opname for i in dis.get_instructions(hook)}.isdisjoint({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+def test_an_infinite_loop_times_out_and_is_killed():
+    start = time.monotonic()
+    result = run_python("print('started', flush=True)\nwhile True:\n    pass", timeout=1.0)
+    assert time.monotonic() - start < 1.0 + 2.0
+    assert result["timed_out"] and result["exit_code"] != 0
+    assert result["stdout"] == "started\n", "output written before the timeout is kept"

@@ -1,34 +1,30 @@
-"""Run model-written Python in a throwaway, locked-down subprocess: the code-execution tool of agent steps.
+"""Run model-written Python in a throwaway sandbox: the code-execution tool of agent steps.
 
     run_python(code, timeout=5.0, memory_mb=512, max_output=4096)
         -> {"stdout", "stderr", "exit_code", "timed_out", "truncated"}
     await run_python_async(...)  # the same for an agent's async step: an asyncio subprocess on the running
                                  # loop, so the engine keeps generating while the code runs
 
-The code runs in a fresh `python -I -B -u` (sys.executable) with its own empty temporary working directory,
-stdin closed, and an environment of PATH, HOME=TMPDIR=the working dir and a few thread caps (no inherited
-secrets). Protections, in layers, each of which stops the hostile cases on its own where it can:
+The boundary is the operating system, through bubblewrap (`bwrap`, the sandbox of Flatpak), never Python alone:
+the code may run arbitrary native code (ctypes, a shell) and is still held by the kernel. Each run gets
+- its own user namespace with a non-root uid (65534), no capabilities, and no way to make further namespaces;
+- its own network namespace (no address outside is reachable, loopback included), PID namespace (it sees and
+  can signal only its own processes, and all of them die with it, timeout or not) and fresh /proc and /dev;
+- a file system of read-only binds (the system's /usr and the Python installation) and one writable place, a
+  size-limited tmpfs at /sandbox (also /tmp, HOME and TMPDIR) that vanishes with the run; nothing of the host's
+  files is writable and the parent's environment is not passed;
+- resource limits set before any of its code runs (RLIMIT_AS memory, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC
+  counted inside its own user namespace, no core files), which unprivileged code cannot raise again;
+- a wall-clock timeout in the parent that kills bwrap, and with it (`--die-with-parent`, the PID namespace) every
+  process the code started; output read in bounded chunks.
 
-- Namespaces (`unshare -r -n -p -m --fork --kill-child --mount-proc`, probed once; used when it works): a
-  network namespace with only a down loopback; a PID namespace (the code sees and can signal only its own
-  processes, /proc shows only them, and all of them die with its first process); a mount namespace in which
-  the preamble mounts a size-limited tmpfs as the working dir and remounts every other mount read-only.
-- Resource limits set by the preamble before any user code: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE,
-  RLIMIT_CORE 0, and a small RLIMIT_NPROC inside the namespaces. (Not via preexec_fn: engines are
-  multi-threaded, and Python code between fork and exec can deadlock there.)
-- A `sys.addaudithook` hook (cannot be removed once added) that refuses sockets (but AF_UNIX pairs), process
-  creation (subprocess, os.system, exec, fork, spawn), signals to other processes, ctypes symbol lookups and
-  calls, gc walks (which could reach the hook list), subinterpreters (which have no hooks), and file
-  writes/metadata changes (open for writing, mkdir, remove, rename, chmod, ...) outside the working directory.
-  The hook reads only values bound when it was made (no globals), so user code cannot rebind what it uses.
-  The process ends with os._exit: no code runs after CPython would clear the hooks at shutdown.
-- The parent: a wall-clock timeout that kills the whole process group, output read in bounded chunks
-  (truncated to max_output characters), the working directory removed afterwards.
+An audit hook in the interpreter (refusing sockets, processes, ctypes calls and writes outside the working dir)
+stays as an extra layer that turns most attempts into a clear PermissionError; it is not relied on.
 
-Without namespaces (no `unshare`, or user namespaces disabled) the audit hook is the only guard against network,
-process and file-write escapes, and a warning says so once. Audit hooks are not a security boundary on their own:
-a C extension, an interpreter bug or memory corruption gets past them. Reading files is allowed (the interpreter
-and its libraries must be readable), so secrets in readable files are not hidden."""
+Where bwrap is missing or cannot create namespaces, running model code raises SandboxUnavailable (one line: why,
+and how to fix it) unless the run accepted the risk with `--agent.sandbox unsafe` (environment
+OPENRLHF_ASYNC_SANDBOX=unsafe in the engines): then the code runs in a plain subprocess with the audit hook and the
+resource limits only, which native code can defeat."""
 
 import asyncio
 import logging
@@ -36,6 +32,7 @@ import math
 import os
 import selectors
 import shutil
+import itertools
 import signal
 import subprocess
 import sys
@@ -45,45 +42,25 @@ import time
 
 logger = logging.getLogger(__name__)
 
+MODES = ("bwrap", "unsafe")
+MODE_ENV = "OPENRLHF_ASYNC_SANDBOX"  # set in each engine from --agent.sandbox
 WORKDIR_MB = 32  # the working dir's tmpfs size, and the largest file the code may write
-NPROC = 16  # processes and threads inside the namespaces (RLIMIT_NPROC)
+NPROC = 16  # processes and threads the code may run at once (inside its own user namespace)
+ROOT = "/sandbox"  # the working dir inside bwrap
+UID = 65534  # the code's uid inside its user namespace: "nobody", not root
+ROOT_ENGINE_UIDS = (100_000, 4096)  # an engine run by root runs each sandbox as a host uid from this range
 _READ_CHUNK = 65536
 _DRAIN_AFTER_KILL = 2.0  # seconds to collect the output left in the pipes after a kill
 
-# The program the sandboxed interpreter runs: argv = root, memory bytes, cpu seconds, disk bytes, nproc,
-# isolated (namespaces: set up the filesystem), audit (install the hook; off only in the tests of each layer).
+
+class SandboxUnavailable(RuntimeError):
+    """No operating-system isolation here, and the run did not accept running model code without it."""
+
+
+# The program the sandboxed interpreter runs: argv = root, memory bytes, cpu seconds, disk bytes, nproc (0: no
+# limit), audit (install the hook; off only in the tests that show the OS layer holds alone).
 PREAMBLE = r'''
 import os, sys
-
-
-def _mount_filesystem(root, disk_bytes, source):
-    """In this process's own mount namespace: a tmpfs as the working dir, every other mount read-only."""
-    import ctypes, re
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
-    kept = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
-            "relatime": 1 << 21, "strictatime": 1 << 24}  # a remount in a user namespace must keep these
-
-    def mount(source, target, fstype, flags, data):
-        if libc.mount(source, target.encode(), fstype, flags, data) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"sandbox setup: mount {target}: {os.strerror(errno)}")
-
-    mount(b"tmpfs", root, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=%d,mode=0700" % disk_bytes)
-    os.chdir(root)  # the tmpfs, not the directory under it
-    with open("main.py", "wb") as f:
-        f.write(source)
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f]
-    for fields in mounts:
-        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if target == root:
-            continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for option in fields[5].split(","):
-            flags |= kept.get(option, 0)
-        mount(None, target, None, flags, None)
 
 
 def _limit(memory_bytes, cpu_seconds, disk_bytes, nproc):
@@ -211,15 +188,13 @@ def _make_hook(root, fspath=os.fspath, getcwd=os.getcwd, stat=os.stat, lstat=os.
 
 
 def _main():
-    root, memory, cpu, disk, nproc, isolated, audit = sys.argv[1:8]
-    memory, cpu, disk, nproc, isolated, audit = int(memory), int(cpu), int(disk), int(nproc), isolated == "1", audit == "1"
+    root, memory, cpu, disk, nproc, audit = sys.argv[1:7]
+    memory, cpu, disk, nproc, audit = int(memory), int(cpu), int(disk), int(nproc), audit == "1"
     import atexit, builtins, traceback, types
 
     with open("main.py", "rb") as f:
         source = f.read()
-    if isolated:
-        _mount_filesystem(root, disk, source)
-    _limit(memory, cpu, disk, nproc if isolated else 0)
+    _limit(memory, cpu, disk, nproc)
     main = types.ModuleType("__main__")
     main.__file__, main.__builtins__ = "main.py", builtins
     sys.modules["__main__"], sys.argv = main, ["main.py"]
@@ -256,24 +231,149 @@ _main()
 '''
 
 
-def _env(workdir: str) -> dict:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+def _env(home: str) -> dict:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _launch(code: str, timeout: float, memory_mb: int, isolate: bool, audit: bool) -> tuple:
-    """A fresh working dir holding the code, and the command and Popen arguments that run it there."""
+def _python_dirs() -> list:
+    """The folders the interpreter and its packages live in, outermost first, none inside another or in /usr."""
+    dirs = {os.path.realpath(d) for d in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                           os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))}
+    dirs |= {os.path.abspath(d) for d in (sys.prefix, sys.base_prefix)}  # the venv's own path, as it names itself
+    kept = []
+    for d in sorted(dirs):
+        if d != "/" and not d.startswith("/usr/") and not any(d == k or d.startswith(k + "/") for k in kept):
+            kept.append(d)
+    return kept
+
+
+class _RootUserNamespace:
+    """For an engine run by root. A user namespace that bwrap maps to the engine's own uid would make the code
+    root on the host (owner of every root-owned file, exempt from RLIMIT_NPROC). Instead, one long-lived holder
+    process per engine owns a user namespace that maps a range of unprivileged host uids to themselves (and root
+    to root, for bwrap's own set-up), with no further user namespaces allowed in it; each run enters it
+    (`bwrap --userns`) and drops to a uid of its own from the range, so runs cannot signal each other either."""
+
+    HOLDER = ("import ctypes, sys\n"
+              "assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0, 'unshare(CLONE_NEWUSER) failed'\n"
+              "print('unshared', flush=True)\n"
+              "sys.stdin.readline()\n"
+              "open('/proc/sys/user/max_user_namespaces', 'w').write('0')\n"
+              "print('ready', flush=True)\n"
+              "sys.stdin.read()\n")  # lives until the engine closes the pipe (or dies)
+
+    def __init__(self):
+        first, count = ROOT_ENGINE_UIDS
+        self.holder = subprocess.Popen([sys.executable, "-I", "-c", self.HOLDER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self.holder.stdout.readline() != "unshared\n":
+            raise OSError(f"no user namespace: {self._error()}")
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{self.holder.pid}/{name}", "w") as f:
+                f.write(f"0 0 1\n{first} {first} {count}\n")
+        self.holder.stdin.write("\n")
+        self.holder.stdin.flush()
+        if self.holder.stdout.readline() != "ready\n":
+            raise OSError(f"no user namespace: {self._error()}")
+        self._uids = itertools.cycle(range(first, first + count))
+
+    def _error(self) -> str:
+        self.holder.kill()
+        return (self.holder.stderr.read().strip().splitlines() or ["the holder process died"])[-1]
+
+    def open(self) -> tuple:
+        """(a descriptor of the namespace for `bwrap --userns`, the uid this run gets)."""
+        return os.open(f"/proc/{self.holder.pid}/ns/user", os.O_RDONLY), next(self._uids)
+
+
+_root_userns = None
+_root_userns_lock = threading.Lock()
+
+
+def _user_namespace(fds: list) -> tuple:
+    """(bwrap's user-namespace arguments, the program that drops to the code's uid) for this run; descriptors
+    bwrap needs are appended to fds."""
+    global _root_userns
+    if os.geteuid() != 0:  # bwrap maps the code's uid to the engine's own, unprivileged one
+        return ["--unshare-user", "--disable-userns", "--uid", str(UID), "--gid", str(UID), "--cap-drop", "ALL"], []
+    with _root_userns_lock:
+        if _root_userns is None or _root_userns.holder.poll() is not None:
+            _root_userns = _RootUserNamespace()
+        fd, uid = _root_userns.open()
+    fds.append(fd)
+    # bwrap sets up as root of that namespace; setpriv (util-linux) then drops to the run's uid, all capabilities
+    # and supplementary groups before the interpreter starts.
+    drop = [shutil.which("setpriv") or "setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--"]
+    return ["--userns", str(fd), "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"], drop
+
+
+def _bwrap_command(fds: list, disk_bytes: int) -> list:
+    """The bwrap command line up to the program; fds: [the code's memfd], to which namespace descriptors are added."""
+    code_fd = fds[0]
+    userns, drop = _user_namespace(fds)
+    command = [shutil.which("bwrap") or "bwrap", *userns, "--unshare-pid", "--unshare-net", "--unshare-ipc",
+               "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):  # merged /usr: /bin -> usr/bin
+            command += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            command += ["--ro-bind", top, top]
+    for path in ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"):
+        command += ["--ro-bind-try", path, path]
+    for path in _python_dirs():
+        parents = [os.path.dirname(path)]
+        while parents[-1] != "/":
+            parents.append(os.path.dirname(parents[-1]))
+        for parent in reversed(parents[:-1]):  # bwrap would copy a parent's mode, and /root is 0700
+            command += ["--perms", "0755", "--dir", parent]
+        command += ["--ro-bind", path, path]
+    command += ["--proc", "/proc", "--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", ROOT,
+                "--file", str(code_fd), f"{ROOT}/main.py", "--symlink", ROOT, "/tmp",
+                "--remount-ro", "/dev", "--remount-ro", "/",  # the only writable place left is the tmpfs
+                "--chdir", ROOT, "--clearenv"]
+    for name, value in _env(ROOT).items():
+        command += ["--setenv", name, value]
+    return command + ["--", *drop]
+
+
+def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -> tuple:
+    """(host folder to remove afterwards or None, the command, its Popen arguments); the caller closes pass_fds."""
+    limits = [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(WORKDIR_MB << 20)]
+    python = [sys.executable, "-I", "-B", "-u", "-c", PREAMBLE]
+    # start_new_session: one process group holds the launcher, so one kill ends it (and bwrap takes the rest).
+    options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if mode == "bwrap":
+        code_fd = os.memfd_create("sandbox-code")  # bwrap copies it into the tmpfs: nothing is written on the host
+        os.write(code_fd, code.encode("utf-8", "surrogatepass"))
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        fds = [code_fd]
+        try:
+            command = _bwrap_command(fds, WORKDIR_MB << 20) + python + [ROOT, *limits, str(NPROC), str(int(audit))]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return None, command, {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(code)
-    unshare = [shutil.which("unshare"), "-r", "-n", "-p", "-m", "--fork", "--kill-child", "--mount-proc"] if isolate else []
-    command = unshare + [sys.executable, "-I", "-B", "-u", "-c", PREAMBLE, os.path.realpath(workdir),
-                         str(memory_mb << 20), str(math.ceil(timeout) + 1), str(WORKDIR_MB << 20), str(NPROC),
-                         str(int(isolate)), str(int(audit))]
-    # start_new_session: one process group holds the launcher and all it starts, so one kill ends them all.
-    options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-                   env=_env(workdir), start_new_session=True)
-    return workdir, command, options
+    # RLIMIT_NPROC counts every process of the user outside a user namespace: no small number is safe there.
+    command = python + [os.path.realpath(workdir), *limits, "0", str(int(audit))]
+    return workdir, command, {**options, "env": _env(workdir), "cwd": workdir}
+
+
+def _cleanup(workdir, options) -> None:
+    for fd in options.get("pass_fds", ()):
+        os.close(fd)
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _exit_code(returncode: int, mode: str) -> int:
+    # bwrap reports a child killed by signal N as 128 + N; say it as subprocess does (-N).
+    return -(returncode - 128) if mode == "bwrap" and returncode is not None and returncode > 128 else returncode
 
 
 class _Output:
@@ -390,39 +490,146 @@ async def _run(code: str, timeout: float, memory_mb: int, max_output: int, isola
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _run_blocking(code: str, timeout: float, memory_mb: int, max_output: int, mode: str, audit: bool) -> dict:
+    # Plain subprocess, no event loop: uvloop (installed by Ray) refuses two loops spawning at once, and a
+    # blocking call may come from any thread of an engine.
+    workdir, command, options = _launch(code, timeout, memory_mb, mode, audit)
+    proc = None
+    try:
+        proc = subprocess.Popen(command, **options)
+        out, err = _Output(4 * max_output), _Output(4 * max_output)  # bytes: max_output characters of UTF-8
+        pipes = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+        with selectors.DefaultSelector() as selector:
+            for fd in pipes:
+                selector.register(fd, selectors.EVENT_READ)
+
+            def read_until(deadline):
+                while selector.get_map() and time.monotonic() < deadline:
+                    for key, _ in selector.select(max(0.0, deadline - time.monotonic())):
+                        data = os.read(key.fd, _READ_CHUNK)
+                        if data:
+                            pipes[key.fd].add(data)
+                        else:
+                            selector.unregister(key.fd)
+
+            deadline = time.monotonic() + timeout
+            read_until(deadline)
+            timed_out = False
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc.pid)
+                read_until(time.monotonic() + _DRAIN_AFTER_KILL)  # what it wrote before the kill
+                proc.wait()
+        return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output)
+    finally:
+        if proc is not None:
+            if proc.returncode is None:
+                _kill_group(proc.pid)
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        _cleanup(workdir, options)
+
+
+async def _read(stream, output: _Output) -> None:
+    while True:
+        data = await stream.read(_READ_CHUNK)
+        if not data:
+            return
+        output.add(data)
+
+
+async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode: str, audit: bool) -> dict:
+    workdir, command, options = _launch(code, timeout, memory_mb, mode, audit)
+    proc = None
+    try:
+        proc = await asyncio.create_subprocess_exec(*command, **options)
+        out, err = _Output(4 * max_output), _Output(4 * max_output)
+        done = asyncio.ensure_future(asyncio.gather(_read(proc.stdout, out), _read(proc.stderr, err), proc.wait()))
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+            _kill_group(proc.pid)
+            try:  # the pipes close when the sandbox is gone
+                await asyncio.wait_for(done, _DRAIN_AFTER_KILL)
+            except asyncio.TimeoutError:
+                pass
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+            await proc.wait()
+        return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output)
+    finally:
+        if proc is not None and proc.returncode is None:  # cancelled by the caller (a step timeout)
+            _kill_group(proc.pid)
+            try:
+                await asyncio.wait_for(proc.wait(), _DRAIN_AFTER_KILL)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        if proc is not None and getattr(proc, "_transport", None) is not None:
+            proc._transport.close()
+        _cleanup(workdir, options)
+
+
 _probe_lock = threading.Lock()
-_isolation = None
+_probed = {}  # mode -> None when it works, else why not
 
 
-def isolation_available() -> bool:
-    """Whether the namespaces work on this machine (probed once per process by running the sandbox itself)."""
-    global _isolation
+def sandbox_mode() -> str:
+    mode = os.environ.get(MODE_ENV, "bwrap")
+    if mode not in MODES:
+        raise SandboxUnavailable(f"{MODE_ENV}={mode!r} (set from --agent.sandbox): use bwrap or unsafe")
+    return mode
+
+
+def unavailable_reason(mode: str = "bwrap") -> str:
+    """Why the sandbox cannot run code in this mode here ("" when it can); probed once per process."""
     with _probe_lock:
-        if _isolation is None:
-            _isolation = _probe()
-        return _isolation
+        if mode not in _probed:
+            _probed[mode] = _probe(mode)
+        return _probed[mode]
 
 
-def _probe() -> bool:
-    if shutil.which("unshare") is None:
-        reason = "`unshare` not found"
-    else:
-        result = _run_blocking("print('ok')", timeout=30.0, memory_mb=512, max_output=4096, isolate=True)
-        if result["stdout"] == "ok\n" and result["exit_code"] == 0:
-            return True
-        reason = (result["stderr"].strip().splitlines() or [f"exit code {result['exit_code']}"])[-1]
-    logger.warning("sandbox: no network/process/mount namespaces (%s); the audit hook is the only guard against "
-                   "network, process and file-write escapes", reason)
-    return False
+def _probe(mode: str) -> str:
+    if mode == "unsafe":
+        logger.warning("sandbox: --agent.sandbox unsafe: model code runs without operating-system isolation (an "
+                       "audit hook and resource limits only, which native code can defeat)")
+        return ""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    result = _run_blocking("print('ok')", timeout=30.0, memory_mb=512, max_output=4096, mode=mode, audit=True)
+    if result["stdout"] == "ok\n" and result["exit_code"] == 0:
+        return ""
+    return (result["stderr"].strip().splitlines() or [f"exit code {result['exit_code']}"])[-1]
 
 
-async def run_python_async(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096) -> dict:
+def _checked_mode(mode) -> str:
+    mode = mode or sandbox_mode()
+    reason = unavailable_reason(mode)
+    if reason:
+        raise SandboxUnavailable(
+            f"sandbox: cannot isolate model code here ({reason}); install bubblewrap (apt-get install bubblewrap; "
+            f"it needs unprivileged user namespaces) or pass --agent.sandbox unsafe to run it without isolation at "
+            f"your own risk")
+    return mode
+
+
+async def run_python_async(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096,
+                           mode: str = "", audit: bool = True) -> dict:
     """Run `code` in the sandbox on the running event loop; see the module docstring. Never raises for anything
-    the code does."""
-    isolate = _isolation if _isolation is not None else await asyncio.to_thread(isolation_available)
-    return await _run(code, timeout, memory_mb, max_output, isolate)
+    the code does; raises SandboxUnavailable where it cannot be contained. mode: bwrap or unsafe (empty: the
+    engine's --agent.sandbox); audit=False leaves out the in-interpreter hook (for tests of the OS layer)."""
+    mode = mode or sandbox_mode()
+    if mode not in _probed:  # the first call probes, running a subprocess: off the loop
+        await asyncio.to_thread(unavailable_reason, mode)
+    mode = _checked_mode(mode)
+    return await _run(code, timeout, memory_mb, max_output, mode, audit)
 
 
-def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096) -> dict:
-    """The blocking form of run_python_async (for plain `def` steps, which run in threads)."""
-    return _run_blocking(code, timeout, memory_mb, max_output, isolation_available())
+def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096, mode: str = "",
+               audit: bool = True) -> dict:
+    """The blocking form of run_python_async (for plain `def` steps)."""
+    return _run_blocking(code, timeout, memory_mb, max_output, _checked_mode(mode), audit)
