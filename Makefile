@@ -1,4 +1,4 @@
-# `make demo` and `make test` set up .venv on first use (idempotent), then run.
+# `make demo` and `make test` set up .venv on first use (idempotent), then run. The demo replaces runs/demo.
 # DEVICE=cpu|cuda overrides the auto-detected device (cuda when nvidia-smi sees a GPU).
 PYTHON ?= python3
 VENV := .venv
@@ -37,7 +37,7 @@ endif
 	touch $(STAMP)
 
 demo: install
-	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async --run_name demo --mode fully_async --train.partial_rollout
+	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async --run_name demo --overwrite --mode fully_async --train.partial_rollout
 
 test: install
 	DEVICE=$(DEVICE) $(PY) -m pytest -q tests

@@ -9,6 +9,7 @@ COMMON = [
     "transformers==5.15.0",
     "accelerate==1.13.0",
     "math-verify==0.9.0",
+    "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers
     "wandb==0.31.0",
     "tensorboard",
     "pyarrow",

@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import math
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -63,6 +64,7 @@ class AgentConfig:
     max_steps: int = 8
     step_timeout: float = 30.0
     max_error_ratio: float = 0.5
+    sandbox: str = "bwrap"  # how model-written code (agent tools) is isolated: bwrap | unsafe
 
 
 @dataclass
@@ -128,7 +130,7 @@ class RewardConfig:
     def source(self) -> dict:
         """make_reward's arguments."""
         return {"remote_url": self.remote_url, "timeout": self.timeout, "retries": self.retries,
-                "max_concurrency": self.max_concurrency}
+                "max_concurrency": self.max_concurrency, "workers": self.workers}
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Config:
     cache_dir: str = ""  # where the embedded model is built; empty: ~/.cache/openrlhf_async
     progress: bool = True
     dry_run: bool = False  # resolve and validate the configuration, print it, start nothing
+    overwrite: bool = False  # a fresh run may replace an earlier run's records in its run folder
 
     @property
     def run_dir(self) -> str:
@@ -191,7 +194,7 @@ class Config:
 
     @property
     def queue_size(self) -> int:
-        return int(os.environ.get("OPENRLHF_ASYNC_QUEUE_SIZE", self.train.async_queue_size))
+        return env_int("OPENRLHF_ASYNC_QUEUE_SIZE", "--train.async_queue_size", self.train.async_queue_size)
 
     @property
     def staleness_limit(self) -> int:
@@ -245,6 +248,9 @@ _HELP = {
     "agent.max_steps": "agent steps (turns) per episode at most",
     "agent.step_timeout": "seconds one agent step may take; a step over it gives its episode reward 0",
     "agent.max_error_ratio": "stop the run when more than this share of a batch's episodes failed in the agent",
+    "agent.sandbox": "how agents' tools run model-written code: bwrap (operating-system isolation with bubblewrap; "
+                     "refuses to run the code where it is missing) or unsafe (no isolation: accept the risk that "
+                     "model code reads and writes what the engine can)",
     "mode": "sync (generate, train, sync), async (generation runs up to --train.async_queue_size batches ahead) "
             "or fully_async (streaming groups under staleness bounds, optional partial rollout)",
     "actor.eps_clip": "PPO clip range, low side",
@@ -278,10 +284,12 @@ _HELP = {
                                    "strictly inside --algo.dynamic_filtering_range (OpenRLHF's rule)",
     "reward.remote_url": "reward source scoring each finished episode instead of the agent's own reward: reward "
                          "service URL(s) (comma-separated, POST /score) or an OpenRLHF reward_func .py file",
-    "reward.timeout": "seconds one reward call may take (math-verify, reward_func, service request)",
+    "reward.timeout": "seconds one reward call may take (math-verify, reward_func); for a reward service, its time "
+                      "per sample: the client waits 2T + 10 s for an answer",
     "reward.retries": "reward service: retries with exponential backoff after a failed request",
     "reward.max_concurrency": "reward calls in flight per engine",
-    "reward.workers": "math-verify worker processes per engine (a pathological answer cannot stall generation)",
+    "reward.workers": "worker processes per engine for math-verify and for a plain def reward_func file (a hung "
+                      "call has its worker killed, so it cannot stall generation)",
     "reward.max_error_ratio": "stop the run when more than this share of a batch's episodes lost their reward",
     "eval.n_samples_per_prompt": "k samples per eval problem: eval/mean@k and eval/pass@k",
     "eval.temperature": "eval sampling temperature; 0 is greedy (k must be 1)",
@@ -293,7 +301,11 @@ _HELP = {
     "ckpt.save_steps": "save a resumable checkpoint (DeepSpeed state, data position, weight version, random "
                        "state) every N steps; 0: none",
     "ckpt.path": "folder of the resumable checkpoints; empty: <run dir>/ckpt",
-    "ckpt.resume": "continue from the newest checkpoint in --ckpt.path (from scratch when there is none)",
+    "ckpt.resume": "continue from the newest checkpoint in --ckpt.path (an error when there is none); its records "
+                   "are cut back to that checkpoint's step",
+    "overwrite": "start a fresh run even where an earlier run left its records (metrics, timeline, prompts, final "
+                 "model, checkpoints): they are deleted first. Without it such a run folder is refused",
+    "run_name": "the run folder under --runs_dir: a plain folder name",
     "ckpt.max_num": "resumable checkpoints kept; older ones are deleted",
     "logger.use_tensorboard": "write every numeric metric as a TensorBoard scalar under <run dir>/tensorboard",
     "logger.use_wandb": "log metrics and the config to Weights & Biases from a background thread (never blocks "
@@ -359,11 +371,104 @@ def resolve_device(requested: str) -> str:
     return device
 
 
+def env_int(name: str, flag: str, default: int) -> int:
+    """The whole number in environment variable `name` (which overrides `flag`), else default."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text[:40]!r} (the environment override of {flag}): must be a whole number; "
+                          f"fix or unset it") from None
+
+
+# Each float flag's range (a key of _FLOAT_RANGES); "below": checked with its own message in validate. Every float
+# flag, listed here or not, must be a finite number.
+_FLOAT_FLAGS = {
+    "actor.eps_clip": "> 0",
+    "actor.eps_clip_high": "> 0",
+    "actor.adam.lr": "> 0",
+    "actor.adam.betas": "[0, 1)",
+    "actor.adam.weight_decay": ">= 0",
+    "actor.max_norm": ">= 0",  # 0: no gradient clipping
+    "vllm.gpu_memory_utilization": "(0, 1]",
+    "rollout.temperature": "> 0",
+    "rollout.top_p": "(0, 1]",
+    "rollout.admission_margin": ">= 0",
+    "rollout.skip_flat_prompts": "below",
+    "agent.step_timeout": "> 0 s",
+    "agent.max_error_ratio": "[0, 1]",
+    "train.staleness_threshold": ">= 0",
+    "eval.temperature": ">= 0",
+    "eval.top_p": "(0, 1]",
+    "algo.dynamic_filtering_std_eps": "> 0",
+    "algo.dynamic_filtering_range": "below",
+    "algo.tis_clamp": ">= 1",
+    "algo.icepop_band": "below",
+    "algo.kl_coef": ">= 0",
+    "reward.timeout": "> 0 s",
+    "reward.max_error_ratio": "[0, 1]",
+    "reward.overlong_penalty_factor": ">= 0",
+}
+_FLOAT_RANGES = {
+    "> 0": (lambda v: v > 0, "must be above 0"),
+    "> 0 s": (lambda v: v > 0, "must be above 0 seconds"),
+    ">= 0": (lambda v: v >= 0, "must not be negative"),
+    ">= 1": (lambda v: v >= 1, "must be at least 1"),
+    "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "(0, 1]": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "[0, 1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+}
+
+
+def float_flags() -> dict:
+    """{flag name: field name} of every float flag (and float tuple), walked from the dataclasses."""
+    out = {}
+    for name, f in _walk(Config):
+        default = _default(f)
+        if isinstance(default, float) or (isinstance(default, tuple) and all(isinstance(v, float) for v in default)):
+            out[_FLAG_NAMES.get(name, name)] = name
+    return out
+
+
+def _validate_floats(cfg: Config) -> None:
+    for flag, name in float_flags().items():
+        obj = cfg
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        values = obj if isinstance(obj, tuple) else (obj,)
+        shown = " ".join(map(str, values))
+        if not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"--{flag} {shown}: must be a finite number")
+        test, says = _FLOAT_RANGES.get(_FLOAT_FLAGS.get(flag), (None, ""))
+        if test and not all(test(v) for v in values):
+            raise ConfigError(f"--{flag} {shown}: {'each ' if len(values) > 1 else ''}{says}")
+
+
+def _validate_environment(requested_device: str, cfg: Config) -> None:
+    if cfg.device not in ("cpu", "cuda"):
+        source = (f"--device {cfg.device!r}" if requested_device
+                  else f"DEVICE={cfg.device!r} (the environment default of --device)")
+        raise ConfigError(f"{source}: use cpu or cuda")
+    if env_int("OPENRLHF_ASYNC_NUM_TASKS", "--vllm.max_concurrency", 1) < 1:
+        raise ConfigError(f"OPENRLHF_ASYNC_NUM_TASKS={os.environ['OPENRLHF_ASYNC_NUM_TASKS']} (the environment "
+                          "override of --vllm.max_concurrency): must be at least 1")
+    if "OPENRLHF_ASYNC_CACHE" in os.environ and not os.environ["OPENRLHF_ASYNC_CACHE"].strip():
+        raise ConfigError("OPENRLHF_ASYNC_CACHE is set but empty: give the cache folder, or unset it for "
+                          "~/.cache/openrlhf_async")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting before any actor starts; raise ConfigError naming the flag and the fix."""
-    cfg.device = resolve_device(cfg.device)
-    if cfg.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {cfg.device!r}: use cpu or cuda")
+    requested_device, cfg.device = cfg.device, resolve_device(cfg.device)
+    _validate_environment(requested_device, cfg)
+    if cfg.run_name in ("", ".", "..") or any(c in cfg.run_name for c in "/\\\0"):
+        raise ConfigError(f"--run_name {cfg.run_name!r}: give a plain folder name (no path separators, not . or ..)")
+    if cfg.overwrite and cfg.ckpt.resume:
+        raise ConfigError("--overwrite deletes the earlier run's records and --ckpt.resume continues them: pass "
+                          "one of the two")
+    _validate_floats(cfg)
     # Whether the GPUs exist is checked against the Ray cluster at start (a job's driver may run on a CPU-only head).
     positive = {
         "vllm.num_engines": cfg.vllm.num_engines,
@@ -388,13 +493,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"--{flag} {value}: must be at least 1")
     for flag, value in {"agent.workers": cfg.agent.workers,
                         "rollout.max_concurrent_prompts": cfg.rollout.max_concurrent_prompts,
-                        "rollout.admission_margin": cfg.rollout.admission_margin,
-                        "reward.overlong_buffer_len": cfg.reward.overlong_buffer_len,
-                        "reward.overlong_penalty_factor": cfg.reward.overlong_penalty_factor}.items():
+                        "reward.overlong_buffer_len": cfg.reward.overlong_buffer_len}.items():
         if value < 0:
             raise ConfigError(f"--{flag} {value}: must not be negative")
-    if not cfg.agent.step_timeout > 0:
-        raise ConfigError(f"--agent.step_timeout {cfg.agent.step_timeout}: must be above 0 seconds")
     if not 0 <= cfg.rollout.skip_flat_prompts < 1:
         raise ConfigError(f"--rollout.skip_flat_prompts {cfg.rollout.skip_flat_prompts}: must be in [0, 1) (a "
                           f"probability; below 1 so that a prompt can come back once the policy has moved)")
@@ -405,8 +506,8 @@ def validate(cfg: Config) -> Config:
     if screen and not cfg.algo.dynamic_filtering_enable:
         raise ConfigError(f"--rollout.screen_samples {screen} drops groups that would be flat, which only makes "
                           f"sense with dynamic sampling: drop --no-algo.dynamic_filtering_enable or the screening")
-    if not 0 <= cfg.agent.max_error_ratio <= 1:
-        raise ConfigError(f"--agent.max_error_ratio {cfg.agent.max_error_ratio}: must be in [0, 1]")
+    if cfg.agent.sandbox not in ("bwrap", "unsafe"):
+        raise ConfigError(f"--agent.sandbox {cfg.agent.sandbox!r}: use bwrap (isolated) or unsafe (no isolation)")
     if cfg.algo.dynamic_filtering_rule not in ("std", "mean_range"):
         raise ConfigError(f"--algo.dynamic_filtering_rule {cfg.algo.dynamic_filtering_rule!r}: use std or mean_range")
     low, high = cfg.algo.dynamic_filtering_range
@@ -419,14 +520,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens} must be below --data.max_len {cfg.data.max_len}"
         )
-    if not cfg.rollout.temperature > 0:
-        raise ConfigError(f"--rollout.temperature {cfg.rollout.temperature}: must be above 0")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"--rollout.top_p {cfg.rollout.top_p}: must be in (0, 1]")
-    if not cfg.actor.adam_lr > 0:
-        raise ConfigError(f"--actor.adam.lr {cfg.actor.adam_lr}: must be above 0")
-    if not cfg.actor.eps_clip > 0:
-        raise ConfigError(f"--actor.eps_clip {cfg.actor.eps_clip}: must be above 0")
     if cfg.algo.advantage_estimator not in ("group_norm", "dr_grpo", "reinforce_baseline"):
         raise ConfigError(
             f"--algo.advantage.estimator {cfg.algo.advantage_estimator!r}: use group_norm, dr_grpo or reinforce_baseline"
@@ -450,8 +543,6 @@ def validate(cfg: Config) -> Config:
     _validate_reward_and_eval(cfg)
     _validate_pipeline(cfg)
     _validate_logger(cfg)
-    if not cfg.run_name or os.sep in cfg.run_name:
-        raise ConfigError(f"--run_name {cfg.run_name!r}: give a plain folder name")
     return cfg
 
 
@@ -463,27 +554,28 @@ def is_hub_id(name: str) -> bool:
 
 def _validate_reward_and_eval(cfg: Config) -> None:
     r, e = cfg.reward, cfg.eval
-    for url in filter(None, r.remote_url.split(",")):
-        if not (url.startswith(("http://", "https://")) or url.endswith(".py")):
+    for url in filter(None, (u.strip() for u in r.remote_url.split(","))):
+        if url.endswith(".py"):
+            continue
+        try:
+            parts = urllib.parse.urlsplit(url)
+            host, _port = parts.hostname, parts.port  # parsed on access: a port that is not a number raises
+        except ValueError as err:
+            raise ConfigError(f"--reward.remote_url {url}: not a URL ({err}); give http(s)://host:port/score") from None
+        if parts.scheme not in ("http", "https"):
             raise ConfigError(f"--reward.remote_url {url}: give http(s)://host:port/score URLs or a reward_func .py file")
+        if not host:
+            raise ConfigError(f"--reward.remote_url {url}: the URL has no host; give http(s)://host:port/score")
     if "," in r.remote_url and ".py" in r.remote_url:
         raise ConfigError(f"--reward.remote_url {r.remote_url}: a reward_func .py file cannot be mixed with URLs")
-    if not r.timeout > 0:
-        raise ConfigError(f"--reward.timeout {r.timeout}: must be above 0 seconds")
     for flag, value, least in (("reward.retries", r.retries, 0), ("reward.max_concurrency", r.max_concurrency, 1),
                                ("reward.workers", r.workers, 1), ("eval.n_samples_per_prompt", e.n_samples_per_prompt, 1),
                                ("eval.max_new_tokens", e.max_new_tokens, 0)):
         if value < least:
             raise ConfigError(f"--{flag} {value}: must be at least {least}")
-    if not 0 <= r.max_error_ratio <= 1:
-        raise ConfigError(f"--reward.max_error_ratio {r.max_error_ratio}: must be in [0, 1]")
-    if e.temperature < 0:
-        raise ConfigError(f"--eval.temperature {e.temperature}: must not be negative")
     if e.temperature == 0 and e.n_samples_per_prompt > 1:
         raise ConfigError(f"--eval.n_samples_per_prompt {e.n_samples_per_prompt} with --eval.temperature 0 draws "
                           "the same greedy answer k times; set --eval.temperature (e.g. 0.6) or k = 1")
-    if not 0 < e.top_p <= 1:
-        raise ConfigError(f"--eval.top_p {e.top_p}: must be in (0, 1]")
     if e.max_new_tokens >= cfg.data.max_len:
         raise ConfigError(f"--eval.max_new_tokens {e.max_new_tokens} must be below --data.max_len {cfg.data.max_len}")
 
@@ -497,8 +589,6 @@ def _validate_pipeline(cfg: Config) -> None:
                           "least 1")
     if t.max_staleness < -1:
         raise ConfigError(f"--train.max_staleness {t.max_staleness}: must be 0 or more (-1: the mode's bound)")
-    if t.staleness_threshold < 0:
-        raise ConfigError(f"--train.staleness_threshold {t.staleness_threshold}: must not be negative")
     for flag, value in {"train.trigger_parameter_sync_step": t.trigger_parameter_sync_step,
                         "train.require_batches": t.require_batches}.items():
         if value < 1:
@@ -515,17 +605,11 @@ def _validate_pipeline(cfg: Config) -> None:
     if cfg.mode == "async" and 0 <= t.max_staleness < cfg.queue_size:
         raise ConfigError(f"--train.max_staleness {t.max_staleness} is below --train.async_queue_size "
                           f"{cfg.queue_size}: batches the queue holds would be too stale; raise one or lower the other")
-    if not cfg.actor.eps_clip_high > 0:
-        raise ConfigError(f"--actor.eps_clip_high {cfg.actor.eps_clip_high}: must be above 0")
     if cfg.algo.off_policy_correction not in ("tis", "icepop", "none"):
         raise ConfigError(f"--algo.off_policy_correction {cfg.algo.off_policy_correction!r}: use tis, icepop or none")
-    if not cfg.algo.tis_clamp >= 1:
-        raise ConfigError(f"--algo.tis_clamp {cfg.algo.tis_clamp}: must be at least 1")
     low, high = cfg.algo.icepop_band
     if not 0 < low < 1 < high:
         raise ConfigError(f"--algo.icepop_band {low} {high}: need 0 < low < 1 < high")
-    if cfg.algo.kl_coef < 0:
-        raise ConfigError(f"--algo.kl_coef {cfg.algo.kl_coef}: must not be negative")
     c = cfg.ckpt
     if c.save_steps < 0 or c.max_num < 1:
         raise ConfigError(f"--ckpt.save_steps {c.save_steps} / --ckpt.max_num {c.max_num}: need save_steps >= 0 "

@@ -152,3 +152,143 @@ def test_checkpoints_that_cannot_continue_the_run_are_refused_before_anything_st
     assert run_cli(tmp_path, "--ckpt.resume", "--dry_run") == 0
     report = json.loads(capsys.readouterr().out.rsplit("\ndry run:", 1)[0])
     assert report["resume_from"] == {"path": str(ckpt / "step_4"), "step": 4}
+
+
+def dry_run(tmp_path, *flags):
+    """A dry run of the CLI, in process: it validates everything a run would and starts nothing."""
+    return run_cli(tmp_path, "--dry_run", *flags)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--train.staleness_threshold", "nan"], "--train.staleness_threshold nan: must be a finite number"),
+        (["--actor.adam.lr", "inf"], "--actor.adam.lr inf: must be a finite number"),
+        (["--algo.icepop_band", "0.5", "inf"], "--algo.icepop_band 0.5 inf: must be a finite number"),
+        (["--algo.dynamic_filtering_range", "nan", "1"], "--algo.dynamic_filtering_range nan 1.0: must be a finite"),
+        (["--actor.adam.betas", "0.9", "1"], "--actor.adam.betas 0.9 1.0: each must be in [0, 1)"),
+        (["--actor.adam.betas", "-0.1", "0.95"], "--actor.adam.betas -0.1 0.95: each must be in [0, 1)"),
+        (["--actor.adam.weight_decay", "-0.1"], "--actor.adam.weight_decay -0.1: must not be negative"),
+        (["--actor.max_norm", "-1"], "--actor.max_norm -1.0: must not be negative"),
+        (["--vllm.gpu_memory_utilization", "1.5"], "--vllm.gpu_memory_utilization 1.5: must be in (0, 1]"),
+        (["--algo.dynamic_filtering_std_eps", "0"], "--algo.dynamic_filtering_std_eps 0.0: must be above 0"),
+        (["--run_name", ".."], "--run_name '..': give a plain folder name"),
+        (["--run_name", "."], "--run_name '.': give a plain folder name"),
+        (["--reward.remote_url", "http://"], "--reward.remote_url http://: the URL has no host"),
+        (["--reward.remote_url", "http://:5000/score"], "--reward.remote_url http://:5000/score: the URL has no host"),
+        (["--reward.remote_url", "http://host:port/score"], "--reward.remote_url http://host:port/score: not a URL"),
+    ],
+)
+def test_bad_values_fail_a_dry_run_with_one_line(tmp_path, capsys, flags, expected):
+    assert dry_run(tmp_path, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+
+
+def _float_flag_defaults():
+    """{flag: default} of every float flag, found as validation finds them (walking the config dataclasses)."""
+    from openrlhf_async.config import Config, float_flags
+
+    defaults = {}
+    for flag, name in float_flags().items():
+        value = Config()
+        for part in name.split("."):
+            value = getattr(value, part)
+        defaults[flag] = value
+    return defaults
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_every_float_flag_rejects_nan_and_inf(tmp_path, capsys, bad):
+    failed = {}
+    for flag, default in _float_flag_defaults().items():
+        values = [bad] * (len(default) if isinstance(default, tuple) else 1)
+        code = dry_run(tmp_path, f"--{flag}", *values)
+        err = capsys.readouterr().err.strip()
+        if code != 2 or err != f"error: --{flag} {' '.join(map(str, map(float, values)))}: must be a finite number":
+            failed[flag] = err
+    assert not failed
+
+
+def test_every_float_flag_has_a_range():
+    from openrlhf_async.config import _FLOAT_FLAGS
+
+    assert set(_float_flag_defaults()) == set(_FLOAT_FLAGS)
+
+
+@pytest.mark.parametrize(
+    "variable, value, expected",
+    [
+        ("OPENRLHF_ASYNC_QUEUE_SIZE", "abc",
+         "OPENRLHF_ASYNC_QUEUE_SIZE='abc' (the environment override of --train.async_queue_size): must be a whole"),
+        ("OPENRLHF_ASYNC_NUM_TASKS", "0",
+         "OPENRLHF_ASYNC_NUM_TASKS=0 (the environment override of --vllm.max_concurrency): must be at least 1"),
+        ("DEVICE", "tpu", "DEVICE='tpu' (the environment default of --device): use cpu or cuda"),
+    ],
+)
+def test_bad_environment_overrides_name_the_variable(tmp_path, capsys, monkeypatch, variable, value, expected):
+    monkeypatch.setenv(variable, value)
+    assert dry_run(tmp_path, "--mode", "async") == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b'{"step": 4, "weight_version"', "cannot be read (JSONDecodeError: "),
+        (b"\xff\xfe\x00binary", "cannot be read (UnicodeDecodeError: "),
+        (b"[4]", "is not a JSON object"),
+        (json.dumps({"step": "4", "weight_version": 4, "eval_start": None, "data": {"num_prompts": 1618, "seed": 42},
+                     "data_position": {"frontier": "x"}}).encode(), "has a missing or malformed step, data_position field"),
+    ],
+)
+def test_a_corrupt_checkpoint_state_is_one_line_naming_the_file(tmp_path, capsys, content, expected):
+    ckpt = tmp_path / "runs" / "demo" / "ckpt"
+    _fake_checkpoint(ckpt, 4)
+    state = ckpt / "step_4" / "trainer_state.json"
+    state.write_bytes(content)
+    assert dry_run(tmp_path, "--ckpt.resume") == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--ckpt.resume: {state} {expected}" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        (b'{"prompt": "1+1=", "label": "\xff\xfe"}', "line 2 is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "line 2 is nested more than 64 levels deep"),
+        (b'{"prompt": "1+1=", "label": ' + b"[" * 200 + b"]" * 200 + b"}", "line 2 is nested more than 64 levels"),
+        (b'{"prompt": "1+1=", "label": ' + b"9" * 5000 + b"}", "line 2 is not valid JSON (Exceeds the limit"),
+    ],
+)
+def test_binary_or_deeply_nested_dataset_lines_are_one_line_errors(tmp_path, capsys, line, expected):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "label": "2"}\n' + line + b"\n")
+    assert dry_run(tmp_path, "--data.prompt_dataset", str(path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--data.prompt_dataset {path}: {expected}" in err and len(err.splitlines()) == 1, err
+
+
+HANG = "while True:\n    pass\n"
+EXIT = "import os\nos._exit(0)\n"
+
+
+@pytest.mark.parametrize(
+    "flag, body, expected",
+    [
+        ("--train.agent_func_path", HANG, "did not finish importing within 3 s"),
+        ("--train.agent_func_path", EXIT, "ends the Python process while importing (exit code 0;"),
+        ("--reward.remote_url", EXIT, "ends the Python process while importing (exit code 0;"),
+    ],
+)
+def test_a_user_file_that_hangs_or_exits_at_import_is_one_line(tmp_path, flag, body, expected):
+    path = tmp_path / "user_file.py"
+    path.write_text(body)
+    # The real command, with the import timeout shortened; a hang would outlast the subprocess timeout.
+    program = ("import sys; import openrlhf_async.utils.user_files as u; u.IMPORT_TIMEOUT_S = 3; "
+               "from openrlhf_async.cli.train_async import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", program, "--dry_run", "--device", "cpu", "--runs_dir",
+                           str(tmp_path / "runs"), flag, str(path)], capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and f"error: {flag} {path}: {expected}" in err and len(err.splitlines()) == 1, err

@@ -176,3 +176,22 @@ def test_the_loader_and_tokenizer_read_the_prepared_file(tmp_path, tiny_model_pa
     assert tokenizer.decode(prompts[0]["prompt_ids"]) == "<|user|>Bebrief.<|user|>Findxif2x=4.Answer:<|assistant|>"
     plain = tokenize_prompts(tokenizer, rows, apply_chat_template=False)
     assert tokenizer.decode(plain[0]["prompt_ids"]) == "Bebrief.Findxif2x=4.Answer:"
+
+
+def test_bad_jsonl_lines_are_skipped_and_counted_not_fatal(tmp_path):
+    good = [{"problem": "What is 2+2?", "answer": "4"}, {"problem": "What is 3+3?", "answer": "6"}]
+    src = tmp_path / "aime.jsonl"
+    src.write_bytes(b"\n".join([json.dumps(good[0]).encode(), b"{not json", b'{"problem": "\xff\xfe", "answer": 1}',
+                                b"[" * 100_000 + b"]" * 100_000, json.dumps(good[1]).encode()]) + b"\n")
+    proc, report = prepare("--dataset", "aime24", "--input", src, "--output", tmp_path / "out")
+    assert proc.returncode == 0 and (report["written"], report["bad_rows_skipped"], report["first_bad_row"]) == (2, 3, 1)
+    assert "skipped 3 bad rows (the first is row 1, which is not valid JSON" in proc.stdout
+
+
+def test_every_supported_file_in_a_folder_is_converted(tmp_path):
+    snapshot = tmp_path / "DAPO-Math-17k"
+    write_parquet(snapshot / "data" / "train-00000-of-00001.parquet", DAPO_ROWS[:4])
+    (snapshot / "extra").mkdir()
+    (snapshot / "extra" / "more.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DAPO_ROWS[4:]))
+    proc, report = prepare("--dataset", "dapo-math-17k", "--input", snapshot, "--output", tmp_path / "out")
+    assert proc.returncode == 0 and (report["rows_read"], report["written"]) == (8, 3), proc.stderr

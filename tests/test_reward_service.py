@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from openrlhf_async.reward.sources import RemoteReward, RewardError
+from openrlhf_async.reward.sources import RemoteReward, RewardError, RewardTimeout
 
 
 def _free_port() -> int:
@@ -157,6 +157,217 @@ def test_reward_func_file_behind_the_service(tmp_path):
     status, out = asyncio.run(run())
     assert status == 200 and out["rewards"] == out["scores"] == [1.0, 0.0] and out["extra_logs"] == {"n": [1.0, 1.0]}
     assert main(["--reward.func_path", str(tmp_path / "missing.py")]) == 2
+
+
+HOSTILE = "\\boxed{9^{9^{9^{9^{9}}}}}"  # sympy does not come back from it
+
+
+def test_a_sample_over_its_time_on_the_service_is_one_request_and_a_counted_timeout(server):
+    # The client's request outlasts the service's time for a sample, so the service's own answer arrives.
+    client = RemoteReward([f"{server}/score"], timeout=0.5, retries=5, backoff=0.01)
+
+    async def run():
+        try:
+            start = time.monotonic()
+            with pytest.raises(RewardTimeout, match="could not score sample 0: RewardTimeout: math-verify took over"):
+                await client.score([HOSTILE], [""], ["1"])
+            elapsed = time.monotonic() - start
+            (result,) = await client.score(["\\boxed{\\frac12}"], [""], ["0.5"])
+            return elapsed, result["reward"]
+        finally:
+            await client.close()
+
+    elapsed, reward = asyncio.run(run())
+    assert elapsed < client.request_timeout and reward == 1.0  # answered once: no attempt timed out
+
+
+def _reward_file(tmp_path, body: str = "return {'rewards': [1.0] * len(queries)}", head: str = "def"):
+    path = tmp_path / "reward.py"
+    path.write_text(f"{head} reward_func(queries, prompts, labels):\n    {body}\n")
+    return str(path)
+
+
+def test_a_reward_func_that_raises_or_hangs_on_the_service_is_sent_once(tmp_path):
+    from aiohttp.test_utils import TestServer
+
+    from openrlhf_async.cli.reward_server import build_app
+
+    calls = tmp_path / "calls"
+    path = tmp_path / "reward.py"
+    path.write_text(textwrap.dedent(f"""
+        import time
+
+        def reward_func(queries, prompts, labels):
+            with open({str(calls)!r}, "a") as f:
+                f.write(queries[0] + "\\n")
+            if queries[0] == "raise":
+                raise KeyError("no label for this one")
+            if queries[0] == "hang":
+                time.sleep(600)
+            return {{"rewards": [1.0] * len(queries)}}
+    """))
+
+    async def run():
+        async with TestServer(build_app(func_path=str(path), workers=1, timeout=1)) as server:
+            client = RemoteReward([str(server.make_url("/score"))], timeout=1, retries=3, backoff=0.01)
+            try:
+                with pytest.raises(RewardError, match="answered 422: .*raised KeyError: 'no label for this one'"):
+                    await client.score(["raise"], [""], [""])
+                with pytest.raises(RewardTimeout, match="reward_func in .* took over 1 s"):
+                    await client.score(["hang"], [""], [""])
+                (result,) = await client.score(["fine"], [""], [""])  # its one worker: the hung one was replaced
+                return result["reward"]
+            finally:
+                await client.close()
+
+    assert asyncio.run(run()) == 1.0
+    assert calls.read_text().split() == ["raise", "hang", "fine"]  # none retried
+
+
+def _against(handler, client_timeout: float = 5):
+    """RewardError or RewardTimeout from RemoteReward against a service answering with handler, and the number
+    of requests it got."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    requests = []
+
+    async def counted(request):
+        requests.append(request.path)
+        return await handler(request)
+
+    async def run():
+        app = web.Application()
+        app.add_routes([web.post("/score", counted)])
+        async with TestServer(app) as server:
+            client = RemoteReward([str(server.make_url("/score"))], timeout=client_timeout, retries=3, backoff=0.01)
+            try:
+                await client.score(["q"], [""], [""])
+            except (RewardError, RewardTimeout) as e:
+                return e
+            finally:
+                await client.close()
+
+    return asyncio.run(run()), len(requests)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["chunked", "content_length"])
+def test_an_oversized_answer_is_refused_after_a_few_mb_and_not_retried(declared):
+    from aiohttp import web
+
+    total, sent = 64 << 20, []
+
+    async def huge(request):
+        resp = web.StreamResponse()
+        if declared:
+            resp.content_length = total
+        await resp.prepare(request)
+        try:
+            for _ in range(total >> 20):
+                await resp.write(b" " * (1 << 20))
+                sent.append(1 << 20)
+        except ConnectionError:  # the client hung up
+            pass
+        return resp
+
+    error, requests = _against(huge)
+    assert isinstance(error, RewardError) and "answered with more than 2 MB for 1 queries" in str(error)
+    assert requests == 1 and sum(sent) < 16 << 20
+
+
+@pytest.mark.parametrize("answer, kind, message", [
+    ({"rewards": [1.0], "errors": [], "timeout": 30}, RewardError, "set --reward.timeout 30 or more"),
+    ({"rewards": [0.0], "errors": [{"index": 0, "error": "RewardError: worker died twice"}]}, RewardError,
+     "could not score sample 0: RewardError: worker died twice"),
+    ({"rewards": [0.0], "errors": "yes"}, RewardError, "'errors' that are not a list"),
+])
+def test_what_the_service_reports_is_a_reward_error_of_that_sample(answer, kind, message):
+    from aiohttp import web
+
+    async def reply(request):
+        return web.json_response(answer)
+
+    error, requests = _against(reply, client_timeout=10)
+    assert type(error) is kind and message in str(error) and requests == 1
+
+
+def test_slow_and_stalled_clients_are_closed_within_the_read_timeout(tmp_path):
+    read_timeout, kinds, connections = 2, ("headers", "trickle", "body"), 200
+    port = _free_port()
+    proc = _start(port, tmp_path / "log", "--read_timeout", str(read_timeout),
+                  "--reward.func_path", _reward_file(tmp_path, head="async def"))
+    request = b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n"
+    opened = []
+
+    async def stalled(kind, all_open):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        start = time.monotonic()
+        trickle = None
+        if kind == "headers":  # half the headers, then nothing
+            writer.write(request[:40])
+        elif kind == "body":  # whole headers, half the body
+            writer.write(request + b'{"query": ["q"], ')
+        else:  # a header byte every 0.1 s, never ending
+            async def dribble():
+                writer.write(request[:40])
+                while True:
+                    await asyncio.sleep(0.1)
+                    writer.write(b"x")
+            trickle = asyncio.ensure_future(dribble())
+        opened.append(kind)
+        if len(opened) == connections:
+            all_open.set()
+        answer = await reader.read()  # until the server closes the connection
+        if trickle is not None:
+            trickle.cancel()
+        writer.close()
+        return kind, time.monotonic() - start, answer
+
+    async def run():
+        all_open = asyncio.Event()
+        tasks = [asyncio.ensure_future(stalled(kinds[i % 3], all_open)) for i in range(connections)]
+        await asyncio.wait_for(all_open.wait(), 30)
+        client = RemoteReward([f"http://127.0.0.1:{port}/score"], timeout=10, retries=0)
+        try:
+            (result,) = await client.score(["q"], ["p"], ["l"])
+        finally:
+            await client.close()
+        closed_before = sum(task.done() for task in tasks)
+        return result["reward"], closed_before, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    try:
+        reward, closed_before, stalls = asyncio.run(run())
+    finally:
+        _kill(proc)
+    assert reward == 1.0 and closed_before == 0  # answered while all 200 were still held open
+    for kind in kinds:
+        seconds = [s for k, s, _ in stalls if k == kind]
+        # Headers get read_timeout; a body read_timeout more to arrive, then as long again to drain.
+        assert max(seconds) < (1 if kind != "body" else 2) * read_timeout + 2, (kind, max(seconds))
+    assert all(answer.startswith(b"HTTP/1.1 408") for k, _, answer in stalls if k == "body")
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--max_concurrency", "0"], "--max_concurrency"),
+    (["--workers", "0"], "--workers"),
+    (["--port", "http"], "--port"),
+    (["--port", "70000"], "--port"),
+    (["--port", "in use"], "--port"),
+    (["--host", "192.0.2.1"], "--host"),  # TEST-NET-1: no address of this machine
+    (["--timeout", "0"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"),
+    (["--read_timeout", "-1"], "--read_timeout"),
+])
+def test_bad_flags_fail_in_one_line_naming_the_flag(tmp_path, args, flag):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = [str(busy.getsockname()[1]) if a == "in use" else a for a in args]
+        proc = subprocess.run([sys.executable, "-m", "openrlhf_async.cli.reward_server", "--port", str(_free_port()),
+                               "--reward.func_path", _reward_file(tmp_path), *args],
+                              capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and flag in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_an_engine_scores_episodes_with_the_service_and_counts_its_outage(ray_cluster, stack_cfg, tiny_model_path,

@@ -8,17 +8,20 @@ The step contract, as this project defines it:
 - returns `reward` (a number; an episode's reward is the sum over its steps), `next_state` (the new episode text:
   `state + action + observation`, of which only the new observation is tokenised and appended; ignored when
   done), `done` (bool) and `extra_info` (a dict, logged).
-`step` may be `async def` (run on the engine's event loop) or a plain `def` (run in a thread off the loop)."""
+`step` may be `async def` (run on the engine's event loop) or a plain `def` (run off the loop, in threads of its
+own or, with --agent.workers N, in worker processes)."""
 
 import asyncio
-import concurrent.futures
 import inspect
-import multiprocessing
 import os
 from dataclasses import dataclass, field
 
+from openrlhf_async.utils.user_code import UserThreads, UserWorkers
 from openrlhf_async.utils.user_files import import_user_file
 
+# Plain def steps of one agent file running at once in the engine's process; a thread still running past its
+# step's timeout keeps its place, so this many hung steps at once are needed to stall the others.
+STEP_THREADS = 64
 DEFAULT_AGENT = os.path.join(os.path.dirname(__file__), "math_single_turn.py")
 CONTRACT = ("a module-level `step(state, action, label)` returning (reward, next_state, done, extra_info), "
             "or an OpenRLHF `AgentExecutor` class")
@@ -59,7 +62,8 @@ def check_step_result(value) -> StepResult:
 
 
 class StepAgent:
-    """A step-file agent, run in the engine's process (default) or in a pool of worker processes."""
+    """A step-file agent. An `async def` step runs on the engine's event loop; a plain `def` step runs in threads
+    of its own in the engine's process (default), or in `workers` worker processes, where a hung step is killed."""
 
     kind = "step"
 
@@ -67,45 +71,25 @@ class StepAgent:
         self.path, self.workers = path, workers
         self._step = module.step
         self._is_async = inspect.iscoroutinefunction(self._step)
-        self._pool = None
+        if workers:
+            self._runner = UserWorkers(workers, _load_step, (path,), f"agent step ({path})")
+        elif not self._is_async:
+            self._runner = UserThreads(self._step, STEP_THREADS, f"plain def agent steps ({path})",
+                                       "a thread cannot be killed: fix the hang, or run steps in processes with "
+                                       "--agent.workers N, where a hung step is killed")
+        else:
+            self._runner = None
 
     async def step(self, state: str, action: str, label, timeout: float) -> StepResult:
-        """One step under a timeout; raises TimeoutError, the step's own exception, or AgentStepError."""
-        if self.workers:
-            return check_step_result(await self._in_worker(state, action, label, timeout))
-        if self._is_async:
-            call = self._step(state, action, label)
-        else:
-            call = asyncio.to_thread(self._step, state, action, label)  # a hung thread is abandoned, not killed
-        return check_step_result(await asyncio.wait_for(call, timeout))
-
-    async def _in_worker(self, state, action, label, timeout):
-        if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_worker_load, initargs=(self.path,))
-        pool = self._pool
-        future = asyncio.get_running_loop().run_in_executor(pool, _worker_step, state, action, label)
-        try:
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            # A hung step holds its worker: kill the pool (steps running beside it fail and are counted).
-            self._kill_pool(pool)
-            raise
-        except concurrent.futures.process.BrokenProcessPool as e:
-            self._kill_pool(pool)
-            raise RuntimeError("agent worker process died") from e
-
-    def _kill_pool(self, pool):
-        if self._pool is pool:
-            self._pool = None
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        """One step under a timeout; raises TimeoutError, the step's own exception, or AgentStepError.
+        In worker processes the timeout starts when a worker takes the step."""
+        if self._runner is not None:
+            return check_step_result(await self._runner.call(state, action, label, timeout=timeout))
+        return check_step_result(await asyncio.wait_for(self._step(state, action, label), timeout))
 
     def close(self):
-        if self._pool is not None:
-            self._kill_pool(self._pool)
+        if self._runner is not None:
+            self._runner.close()
 
 
 class ExecutorAgent:
@@ -120,17 +104,9 @@ class ExecutorAgent:
         pass
 
 
-_WORKER_AGENT = None
-
-
-def _worker_load(path: str):
-    global _WORKER_AGENT
-    _WORKER_AGENT = _import_file(path).step
-
-
-def _worker_step(state, action, label):
-    result = _WORKER_AGENT(state, action, label)
-    return asyncio.run(result) if inspect.isawaitable(result) else result
+def _load_step(path: str):
+    """The step function, as a worker process loads it."""
+    return _import_file(path).step
 
 
 def load_agent(path: str = "", workers: int = 0):

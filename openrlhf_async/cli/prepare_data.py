@@ -1,9 +1,10 @@
 """Convert a published math RL dataset into the project's prompt/label JSONL:
 `python -m openrlhf_async.cli.prepare_data --dataset dapo-math-17k --input <file or folder> --output data/`.
 
-Input: a Parquet, JSONL or JSON file, or a folder of them (a Hugging Face snapshot: data/*.parquet). Output:
-<output>/<dataset>.jsonl with {"prompt", "label", "id", "source"} rows (data/formats.py), then a summary and a
-final JSON line with the counts."""
+Input: a Parquet, JSONL or JSON file, or a folder of them (a Hugging Face snapshot: data/*.parquet), every one
+converted. Output: <output>/<dataset>.jsonl with {"prompt", "label", "id", "source"} rows (data/formats.py), then a
+summary and a final JSON line with the counts. A bad row (no label, a prompt that is not text, a line that is not
+JSON) is skipped and counted, and the summary names the first."""
 
 import argparse
 import json
@@ -21,7 +22,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m openrlhf_async.cli.prepare_data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
-    parser.add_argument("--input", required=True, help="a .parquet/.jsonl/.json file or a folder of them")
+    parser.add_argument("--input", required=True, help="a .parquet/.jsonl/.json file or a folder of them (all read)")
     parser.add_argument("--output", required=True, help="folder for <dataset>.jsonl")
     parser.add_argument("--system_prompt", default="", help="prepend this system turn (prompts become messages)")
     parser.add_argument("--instruction", default="",
@@ -43,11 +44,9 @@ def input_files(path: str) -> list:
     for root, dirs, files in os.walk(path):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .cache/.git of a hub snapshot
         found += [os.path.join(root, f) for f in files if f.endswith(DATA_SUFFIXES)]
-    # A snapshot's Parquet files are the data; JSON beside them is metadata.
-    parquet = [f for f in found if f.endswith(".parquet")]
-    if not (parquet or found):
+    if not found:
         raise ValueError(f"--input {path}: no {', '.join(DATA_SUFFIXES)} files in the folder")
-    return sorted(parquet or found)
+    return sorted(found)
 
 
 def read_batches(path: str):
@@ -60,12 +59,13 @@ def read_batches(path: str):
         except Exception as e:
             raise ValueError(f"--input {path}: not a readable Parquet file ({e})") from None
         return pf.schema_arrow.names, (b.to_pylist() for b in pf.iter_batches(batch_size=8192))
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        rows = json.loads(text)  # a .json file may also be JSON lines (what datasets' to_json writes)
-    except json.JSONDecodeError:
-        rows = json_lines(text.splitlines(), f"--input {path}")  # a ConfigError, which is a ValueError
+        rows = json.loads(data)  # one JSON document; else JSON lines (what datasets' to_json writes, even to .json)
+    except (ValueError, RecursionError):
+        # A line that holds no JSON value is a bad row, counted and skipped like the others.
+        rows = json_lines(data.splitlines(), f"--input {path}", keep_bad=True)
     if not isinstance(rows, list):
         rows = [rows]
     columns = set().union(*(r.keys() for r in rows if isinstance(r, dict)))

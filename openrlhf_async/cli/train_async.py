@@ -1,5 +1,6 @@
 """Train a policy with RL from the command line: `python -m openrlhf_async.cli.train_async --help`."""
 
+import contextlib
 import json
 import os
 import sys
@@ -10,34 +11,37 @@ def prepare(cfg):
     """Resolve the model, agent, reward, datasets and the checkpoint to resume from, and check them, all before
     any actor starts. A dry run writes nothing and builds nothing.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
-    from openrlhf_async.agent import AgentFileError, load_agent
+    from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
     from openrlhf_async.config import ConfigError, default_cache_dir, to_dict, validate
-    from openrlhf_async.data.prompts import load_prompts
-    from openrlhf_async.reward.sources import RewardFileError, make_reward
-    from openrlhf_async.trainer.checkpoint import find_resume
+    from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
+    from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
+    from openrlhf_async.utils.user_files import check_user_file
 
     validate(cfg)
+    resume = find_resume(cfg)  # also refuses a fresh run over an earlier run's records
     try:  # import and check the user's files here, so a broken one fails before any engine starts
+        if cfg.agent.func_path:
+            check_user_file(cfg.agent.func_path, "--train.agent_func_path", CONTRACT, AgentFileError,
+                            "openrlhf_async_agent")
+        if cfg.reward.remote_url.endswith(".py"):
+            check_user_file(cfg.reward.remote_url, "--reward.remote_url", FUNC_CONTRACT, RewardFileError,
+                            "openrlhf_async_reward")
         load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
     except (AgentFileError, RewardFileError) as e:
         raise ConfigError(str(e)) from None
-    if not cfg.data.prompt_dataset:
-        from openrlhf_async.data.synthetic import write_arithmetic_dataset
-
-        data_dir = tempfile.mkdtemp() if cfg.dry_run else os.path.join(cfg.run_dir, "data")
-        cfg.data.prompt_dataset, eval_path = write_arithmetic_dataset(data_dir)
-        cfg.eval.dataset = cfg.eval.dataset or eval_path
-    train_rows = load_prompts(cfg.data.prompt_dataset, cfg.data.input_key, cfg.data.label_key,
-                              "--data.prompt_dataset", cfg.data.max_samples)
-    eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
-    if cfg.eval.dataset:
-        eval_rows = load_prompts(cfg.eval.dataset, cfg.data.input_key, cfg.data.label_key, "--eval.dataset",
-                                 cfg.eval.max_samples)
-    resume = find_resume(cfg, len(train_rows))
+    given = cfg.data.prompt_dataset, cfg.eval.dataset
+    # The built-in task is written where the run keeps it; a dry run's copy goes with its temporary folder.
+    with (tempfile.TemporaryDirectory() if cfg.dry_run else
+          contextlib.nullcontext(os.path.join(cfg.run_dir, "data"))) as builtin_dir:
+        train_rows, eval_rows = load_datasets(cfg, builtin_dir)
+    check_resume_data(cfg, resume, len(train_rows))
     model_path = cfg.actor.model_name_or_path
     if cfg.dry_run:
+        cfg.data.prompt_dataset, cfg.eval.dataset = given  # the report shows the flags, not a deleted folder
         return model_path or "embedded tiny model (built on first use)", train_rows, eval_rows, resume
+    if cfg.overwrite:
+        remove_records(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
         json.dump(to_dict(cfg), f, indent=2)
@@ -47,6 +51,24 @@ def prepare(cfg):
         print("building the embedded tiny model (cached after the first run) ...", flush=True)
         model_path = build_tiny_model(default_cache_dir(cfg))
     return model_path, train_rows, eval_rows, resume
+
+
+def load_datasets(cfg, builtin_dir: str):
+    """(train rows, eval rows); without --data.prompt_dataset, the built-in task written into builtin_dir."""
+    from openrlhf_async.data.prompts import load_prompts
+
+    if not cfg.data.prompt_dataset:
+        from openrlhf_async.data.synthetic import write_arithmetic_dataset
+
+        cfg.data.prompt_dataset, eval_path = write_arithmetic_dataset(builtin_dir)
+        cfg.eval.dataset = cfg.eval.dataset or eval_path
+    train_rows = load_prompts(cfg.data.prompt_dataset, cfg.data.input_key, cfg.data.label_key,
+                              "--data.prompt_dataset", cfg.data.max_samples)
+    eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
+    if cfg.eval.dataset:
+        eval_rows = load_prompts(cfg.eval.dataset, cfg.data.input_key, cfg.data.label_key, "--eval.dataset",
+                                 cfg.eval.max_samples)
+    return train_rows, eval_rows
 
 
 def resources(cfg) -> dict:

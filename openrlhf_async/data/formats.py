@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from openrlhf_async.data.prompts import as_prompt
+from openrlhf_async.data.prompts import BadLine, as_prompt
 
 DATASETS = ("dapo-math-17k", "aime24", "skywork-or1")
 
@@ -109,7 +109,12 @@ class Converter:
                 break
             index = self.counts.rows_read
             self.counts.rows_read += 1
-            converted = self._convert_row(schema, row, index)
+            try:
+                converted = self._convert_row(schema, row, index)
+            except RecursionError:  # a value nested too deeply to turn into text
+                converted = "holds a value nested too deeply"
+            except ValueError as e:  # e.g. an integer too long to turn into text
+                converted = f"holds a value that cannot be converted ({e})"
             if isinstance(converted, str):
                 self._bad(index, converted)
             elif converted is not None and self._keep(converted):
@@ -135,6 +140,8 @@ class Converter:
 
     def _convert_row(self, schema: str, row, index: int):
         """A project row, None for a row this dataset leaves out, or the reason a row is bad."""
+        if isinstance(row, BadLine):
+            return row.reason
         if not isinstance(row, dict):
             return "is not a record"
         extra = {}

@@ -19,26 +19,69 @@ def read_rows(path: str, flag: str) -> list:
             return pq.read_table(path).to_pylist()
         except Exception as e:
             raise ConfigError(f"{flag} {path}: not a readable Parquet file ({e})") from None
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is a bad line, not a failed read
         return json_lines(f, f"{flag} {path}")
 
 
-def json_lines(lines, where: str, check=None) -> list:
-    """One JSON value per non-blank line; a bad line is a ConfigError naming `where` and the line.
-    check(value): what is wrong with a parsed value ("does not have ..."), or None when it is fine."""
+MAX_DEPTH = 64  # how deeply a row's JSON may nest (a chat prompt: 3 levels); deeper is malformed or hostile
+
+
+_BLANK = object()  # what _parse_line returns for a blank line
+
+
+class BadLine:
+    """A line of a JSON-lines file that holds no JSON value, in place of its row (json_lines with keep_bad)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def json_lines(lines, where: str, check=None, keep_bad: bool = False) -> list:
+    """One JSON value per non-blank line (text, or bytes decoded as UTF-8); a bad line is a ConfigError naming
+    `where` and the line, or with keep_bad a BadLine in the rows. check(value): what is wrong with a parsed value
+    ("does not have ..."), or None when it is fine."""
     rows = []
     for line_no, line in enumerate(lines, 1):
-        if not line.strip():
+        row, problem = _parse_line(line)
+        if row is _BLANK:
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: line {line_no} is not valid JSON ({e.msg})") from None
-        problem = check and check(row)
-        if problem:
+        problem = problem or (check and check(row))
+        if problem and keep_bad:
+            row = BadLine(problem)
+        elif problem:
             raise ConfigError(f"{where}: line {line_no} {problem}")
         rows.append(row)
     return rows
+
+
+def _parse_line(line):
+    """(JSON value, None), (None, what is wrong with the line), or (_BLANK, None)."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "is not UTF-8 text"
+    if not line.strip():
+        return _BLANK, None
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        return None, f"is nested more than {MAX_DEPTH} levels deep"
+    except ValueError as e:  # JSONDecodeError, or a number too long to convert
+        return None, f"is not valid JSON ({getattr(e, 'msg', None) or (str(e).splitlines() or [''])[0]})"
+    if _nests_deeper(value, MAX_DEPTH):
+        return None, f"is nested more than {MAX_DEPTH} levels deep"
+    return value, None
+
+
+def _nests_deeper(value, limit: int) -> bool:
+    level = [value]
+    for _ in range(limit):
+        level = [child for v in level if isinstance(v, (list, dict))
+                 for child in (v.values() if isinstance(v, dict) else v)]
+        if not level:
+            return False
+    return True
 
 
 def as_prompt(value):

@@ -22,7 +22,9 @@ _BRACE = re.compile(r"[{}]")
 _ANSWER_LINE = re.compile(r"answer\s*:", re.IGNORECASE)  # DAPO-Math ends with the line `Answer: $Answer`
 _ANSWER_IS = re.compile(r"the (?:final )?answer is\s*:?", re.IGNORECASE)
 _INLINE_MATH = re.compile(r"\$([^$]+)\$")
-_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?")
+# Scientific notation too: a JSON number label reaches the reward as str(float), `1e-07`. Up to 3 exponent digits,
+# so a number written out stays short.
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][+-]?\d{1,3})?")
 _EXPRESSION = re.compile(r"[\w\s+\-*/^().,=<>{}\[\]|!%\\$:']+")
 
 _STARTUP_TIMEOUT = 120.0  # seconds fresh workers may take to import sympy and math-verify on a busy machine
@@ -99,7 +101,11 @@ def _result(correct: bool, pred) -> dict:
 
 def _gold_text(label) -> str:
     label = str(label).strip()
-    return (_boxed(label) or label) if "\\boxed" in label or "\\fbox" in label else label.strip("$").strip()
+    if "\\boxed" in label or "\\fbox" in label:
+        return _boxed(label) or label
+    label = label.strip("$").strip()
+    number = _plain_number(label)
+    return label if number is None else format(number, "f")  # written out for math-verify: `1e-07` is e - 7 to it
 
 
 def _fast_score(completion: str, label):

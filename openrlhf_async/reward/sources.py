@@ -6,9 +6,18 @@ Both answer `await source.score(queries, prompts, labels)` with one `{"reward", 
 import asyncio
 import inspect
 import itertools
+import json
+import math
 import weakref
 
+from openrlhf_async.utils.user_code import UserCodeStalled, UserThreads, UserWorkers
 from openrlhf_async.utils.user_files import import_user_file
+
+# Far beyond any real reward, and far enough inside float32 that group sums, squares and advantages stay finite.
+MAX_REWARD = 1e6
+
+# The most a reward service may answer, per query of the request: its rewards, scores and logs are a few numbers.
+ANSWER_BYTES_PER_QUERY = 1 << 20
 
 FUNC_CONTRACT = ("a module-level `reward_func(queries, prompts, labels, **kwargs)` returning "
                  '{"rewards": one number per query, "scores": optional, "extra_logs": optional dict of lists}')
@@ -26,20 +35,44 @@ class RewardTimeout(TimeoutError):
     """A sample's reward took longer than its timeout."""
 
 
-def _as_list(value, what: str, n: int) -> list:
+def check_reward(value, what: str) -> float:
+    """value as a float if it is a real number (bool, int, float, numpy or torch scalar), finite and at most
+    MAX_REWARD in size; else RewardError, one line naming the value."""
+    if hasattr(value, "item"):  # numpy and torch scalars
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # more than one element: refused below
+            pass
+    if isinstance(value, (bool, int, float)) and abs(value) <= MAX_REWARD:  # false for nan and inf
+        return float(value)
+    shown = " ".join(repr(value).split())[:60]
+    expected = (f"a finite number of size at most {MAX_REWARD:g}" if isinstance(value, (bool, int, float))
+                else "a number")
+    raise RewardError(f"{what} is {shown}; expected {expected}")
+
+
+def _log_value(value, what: str):
+    """A logged number as a float; None (left out of the logs) when it is inf or nan."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise RewardError(f"{what}: {e}; expected one number per query") from None
+    return value if math.isfinite(value) else None
+
+
+def _as_list(value, what: str, n: int, read=check_reward) -> list:
+    """One number per query, each read by read(entry, name), from a list, tuple, tensor or array."""
     if hasattr(value, "tolist"):  # torch tensors, numpy arrays
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or len(value) != n:
         length = f"length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
         raise RewardError(f"{what}: got {length} for {n} queries; expected one number per query")
-    try:
-        return [float(v) for v in value]
-    except (TypeError, ValueError) as e:
-        raise RewardError(f"{what}: {e}; expected one number per query") from None
+    return [read(v, f"{what}[{i}]") for i, v in enumerate(value)]
 
 
 def parse_reward_output(out, n: int) -> list:
-    """A reward_func's (or a service's) answer -> one {"reward", "score", "extra"} per query."""
+    """A reward_func's (or a service's) answer -> one {"reward", "score", "extra"} per query; a reward or score
+    that is not a sane number (check_reward) is a RewardError."""
     if not isinstance(out, dict) or "rewards" not in out:
         raise RewardError(f"reward returned {type(out).__name__} without 'rewards'; expected {FUNC_CONTRACT}")
     rewards = _as_list(out["rewards"], "rewards", n)
@@ -53,48 +86,86 @@ def parse_reward_output(out, n: int) -> list:
             value = value.tolist()
         if isinstance(value, (int, float)):  # one number for the whole batch: every sample logs it
             value = [value] * n
-        per_key[key] = _as_list(value, f"extra_logs[{key!r}]", n)
-    return [{"reward": rewards[i], "score": scores[i], "extra": {k: v[i] for k, v in per_key.items()}}
-            for i in range(n)]
+        per_key[key] = _as_list(value, f"extra_logs[{key!r}]", n, _log_value)
+    return [{"reward": rewards[i], "score": scores[i],
+             "extra": {k: v[i] for k, v in per_key.items() if v[i] is not None}} for i in range(n)]
 
 
 class FuncReward:
-    """An OpenRLHF reward_func file, called once per batch (a plain def runs in a thread off the loop)."""
+    """An OpenRLHF reward_func file, called once per batch: an `async def` one on the event loop, a plain `def`
+    one off it, in at most max_concurrency threads of its own or, with workers, in worker processes, where a hung
+    call is killed (its timeout then starts when a worker takes it)."""
 
-    def __init__(self, path: str, func, timeout: float = 30.0):
+    def __init__(self, path: str, func, timeout: float = 30.0, workers: int = 0, max_concurrency: int = 64):
         self.path, self.func, self.timeout = path, func, timeout
-        self._is_async = inspect.iscoroutinefunction(func)
+        if inspect.iscoroutinefunction(func):
+            self._runner = None
+        elif workers:
+            self._runner = UserWorkers(workers, _load_reward_func, (path,), f"reward_func ({path})")
+        else:
+            self._runner = UserThreads(func, max_concurrency, f"reward_func in {path}",
+                                       "a thread cannot be killed: fix the hang in reward_func")
 
     async def score(self, queries: list, prompts: list, labels: list) -> list:
-        call = (self.func(queries, prompts, labels) if self._is_async
-                else asyncio.to_thread(self.func, queries, prompts, labels))  # a hung thread is abandoned
         try:
-            out = await asyncio.wait_for(call, self.timeout)
+            if self._runner is None:
+                out = await asyncio.wait_for(self.func(queries, prompts, labels), self.timeout)
+            else:
+                out = await self._runner.call(list(queries), list(prompts), list(labels), timeout=self.timeout)
         except asyncio.TimeoutError:
             raise RewardTimeout(f"reward_func in {self.path} took over {self.timeout:g} s") from None
+        except UserCodeStalled as e:
+            raise RewardError(str(e)) from None
         except Exception as e:
             raise RewardError(f"reward_func in {self.path} raised {type(e).__name__}: {e}") from e
         return parse_reward_output(out, len(queries))
 
     async def close(self):
-        pass
+        if self._runner is not None:
+            self._runner.close()
 
 
-def load_reward_func(path: str, timeout: float = 30.0, flag: str = "--reward.func_path") -> FuncReward:
+def _load_reward_func(path: str):
+    """The reward_func, as a worker process loads it."""
+    module = import_user_file(path, "--reward.func_path", FUNC_CONTRACT, RewardFileError, "openrlhf_async_reward")
+    return module.reward_func
+
+
+def load_reward_func(path: str, timeout: float = 30.0, flag: str = "--reward.func_path", workers: int = 0,
+                     max_concurrency: int = 64) -> FuncReward:
     module = import_user_file(path, flag, FUNC_CONTRACT, RewardFileError, "openrlhf_async_reward")
     func = getattr(module, "reward_func", None)
     if not callable(func):
         raise RewardFileError(f"{flag} {path}: defines no reward_func; expected {FUNC_CONTRACT}")
-    return FuncReward(path, func, timeout)
+    return FuncReward(path, func, timeout, workers, max_concurrency)
+
+
+async def _read_at_most(resp, limit: int):
+    """The answer's body, read in chunks; None when it is longer than limit bytes."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
 class RemoteReward:
-    """A reward service speaking OpenRLHF's remote RM protocol, with retries over a bounded set of requests."""
+    """A reward service speaking OpenRLHF's remote RM protocol, with retries over a bounded set of requests.
+
+    `timeout` is the time the service gives one sample (its --timeout, which must not be more). A request may
+    take twice that and 10 s more: the service tries a sample again when its worker was killed for another
+    sample's timeout, and restarts workers. So the service's own answer for a sample over its time arrives, and
+    is counted as that sample's reward error (RewardTimeout) instead of being retried. A 4xx answer (a bad
+    request, or a reward_func that fails on it) is not retried either: it would fail again."""
 
     def __init__(self, urls, timeout: float = 30.0, retries: int = 5, max_concurrency: int = 64,
                  backoff: float = 0.5):
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         self.timeout, self.retries, self.max_concurrency, self.backoff = timeout, retries, max_concurrency, backoff
+        self.request_timeout = 2 * timeout + 10
         self._turn = itertools.count()
         self._per_loop = weakref.WeakKeyDictionary()  # event loop -> (session, semaphore): both are loop-bound
 
@@ -103,7 +174,7 @@ class RemoteReward:
 
         loop = asyncio.get_running_loop()
         if loop not in self._per_loop:
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
             self._per_loop[loop] = (session, asyncio.Semaphore(self.max_concurrency))
         return self._per_loop[loop]
 
@@ -112,6 +183,7 @@ class RemoteReward:
 
         session, semaphore = self._session()
         payload = {"query": list(queries), "prompts": list(prompts), "labels": list(labels)}
+        limit = (1 + len(queries)) * ANSWER_BYTES_PER_QUERY
         cause = "no attempt made"
         for attempt in range(self.retries + 1):
             if attempt:
@@ -119,19 +191,47 @@ class RemoteReward:
             url = self.urls[next(self._turn) % len(self.urls)]
             try:
                 async with semaphore, session.post(url, json=payload) as resp:
-                    if resp.status >= 500 or resp.status == 429:  # the service is down, restarting or overloaded
-                        cause = f"{url} answered {resp.status}: {(await resp.text())[:200]}"
-                        continue
-                    if resp.status != 200:
-                        raise RewardError(f"{url} answered {resp.status}: {(await resp.text())[:200]}")
-                    out = await resp.json(content_type=None)
+                    status = resp.status
+                    if status == 200:
+                        body = await _read_at_most(resp, limit)
+                    else:
+                        message = (await resp.content.read(200)).decode(errors="replace")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 cause = f"{url}: {type(e).__name__}: {e}"
                 continue
-            except ValueError as e:
-                raise RewardError(f"{url} answered with a body that is not JSON ({e})") from None
-            return parse_reward_output(out, len(queries))
+            if status >= 500 or status == 429:  # the service is down, restarting or overloaded
+                cause = f"{url} answered {status}: {message}"
+                continue
+            if status != 200:
+                raise RewardError(f"{url} answered {status}: {message}")
+            if body is None:
+                raise RewardError(f"{url} answered with more than {limit / 2 ** 20:g} MB for {len(queries)} "
+                                  f"queries; a reward answer is a few numbers per query")
+            return self._read_answer(url, body, len(queries))
         raise RewardError(f"reward service failed after {self.retries + 1} attempts; last: {cause}")
+
+    def _read_answer(self, url: str, body: bytes, n: int) -> list:
+        """The results, or the service's own error for a sample it could not score (RewardTimeout, RewardError)."""
+        try:
+            out = json.loads(body)
+        except ValueError as e:
+            raise RewardError(f"{url} answered with a body that is not JSON ({e})") from None
+        if isinstance(out, dict):
+            service_timeout = out.get("timeout")
+            if isinstance(service_timeout, (int, float)) and service_timeout > self.timeout:
+                raise RewardError(f"{url} gives each sample up to {service_timeout:g} s (its --timeout), more than "
+                                  f"--reward.timeout {self.timeout:g}: set --reward.timeout {service_timeout:g} "
+                                  "or more, or start the service with a smaller --timeout")
+            errors = out.get("errors") or []
+            if not isinstance(errors, list) or not all(isinstance(e, dict) for e in errors):
+                raise RewardError(f"{url} answered 'errors' that are not a list of {{'index', 'error'}} objects")
+            if errors:
+                first = errors[0]
+                more = f" (and {len(errors) - 1} more of {n} samples)" if len(errors) > 1 else ""
+                message = f"{url} could not score sample {first.get('index')}: {first.get('error')}"[:500] + more
+                timed_out = all(str(e.get("error", "")).startswith("RewardTimeout") for e in errors)
+                raise (RewardTimeout if timed_out else RewardError)(message)
+        return parse_reward_output(out, n)
 
     async def close(self):
         entry = self._per_loop.pop(asyncio.get_running_loop(), None)
@@ -139,11 +239,13 @@ class RemoteReward:
             await entry[0].close()
 
 
-def make_reward(remote_url: str = "", timeout: float = 30.0, retries: int = 5, max_concurrency: int = 64):
+def make_reward(remote_url: str = "", timeout: float = 30.0, retries: int = 5, max_concurrency: int = 64,
+                workers: int = 0):
     """The run's reward source from --reward.remote_url, which (as in OpenRLHF) is either reward service URLs
-    (comma-separated) or a reward_func .py file; None when it is empty."""
+    (comma-separated) or a reward_func .py file; None when it is empty. workers: run a plain def reward_func in
+    that many worker processes (a hung call killed) instead of threads of the engine's process."""
     if remote_url.endswith(".py"):
-        return load_reward_func(remote_url, timeout, flag="--reward.remote_url")
+        return load_reward_func(remote_url, timeout, "--reward.remote_url", workers, max_concurrency)
     if not remote_url:
         return None
     urls = [u.strip() for u in remote_url.split(",") if u.strip()]

@@ -14,6 +14,7 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Optional
 
+from openrlhf_async.reward.sources import RewardError, check_reward
 from openrlhf_async.rollout.episode import scores_vary
 
 
@@ -426,6 +427,10 @@ class RolloutController:
         for ep in group:
             stats["episodes"] += 1
             stats["tokens"] += sum(ep["action_mask"])
+            try:
+                check_reward(ep["score"], "the episode's score")
+            except RewardError as e:  # whatever scored it, a bad score must reach neither the filter nor the trainer
+                ep.update(score=0.0, error=ep["error"] or ("reward_error", f"{type(e).__name__}: {e}"))
             if ep["error"]:
                 stats[ERROR_KINDS[ep["error"][0]][1]] += 1
             ep["reward"] = ep["score"] + overlong_penalty(len(ep["response_ids"]), self.budget,

@@ -224,7 +224,8 @@ class LLMRayActorAsync:
 
 def engine_env(cfg) -> dict:
     """Environment of an engine actor: small KV cache and quiet logs on CPU."""
-    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false",
+           "OPENRLHF_ASYNC_SANDBOX": cfg.agent.sandbox}  # read by agent/sandbox.py in the engine and its workers
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kvcache_space_gib)
     return env

@@ -7,14 +7,19 @@ was generated with (an observation token takes the version of the action before 
 outlived a weight sync shows both versions."""
 
 import asyncio
+import math
 
-from openrlhf_async.reward.sources import RewardError, RewardTimeout
+from openrlhf_async.reward.sources import RewardError, RewardTimeout, check_reward
+
+# An observation is cut to this many characters per token of budget left before it is tokenised: far more than
+# tokens of real text hold, so the tokens kept are the same, and a huge observation is never tokenised whole.
+OBSERVATION_CHARS_PER_TOKEN = 64
 
 
 def scores_vary(scores: list, eps: float = 1e-6) -> bool:
     """Whether a group's scores carry a learning signal: their standard deviation is above eps (DAPO's filter)."""
     mean = sum(scores) / len(scores)
-    return (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5 > eps
+    return math.hypot(*(s - mean for s in scores)) / math.sqrt(len(scores)) > eps  # hypot: no OverflowError
 
 
 async def run_group(episode, n: int, screen: int = 0, eps: float = 1e-6) -> list:
@@ -72,6 +77,8 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
         action = tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         try:
             result = await agent.step(state, action, label, step_timeout)
+            score = check_reward(ep["score"] + check_reward(result.reward, f"turn {ep['turns']} reward"),
+                                 f"the reward summed over {ep['turns']} turns")
         except RewardTimeout as e:  # the step's reward call (e.g. the built-in math-verify) ran out of time
             ep["error"] = ("reward_timeout", f"{type(e).__name__}: {e}")
         except RewardError as e:
@@ -83,7 +90,7 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
         if ep["error"]:
             ep["score"] = 0.0
             break
-        ep["score"] += result.reward
+        ep["score"] = score
         ep["extra_info"] = result.extra_info
         if result.done or ep["turns"] >= max_steps:
             break
@@ -92,8 +99,9 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
             ep["error"] = ("error", "AgentStepError: next_state must be state + action + observation")
             ep["score"] = 0.0
             break
-        observation = tokenizer.encode(result.next_state[len(prefix):], add_special_tokens=False)
-        observation = observation[: budget - len(ep["response_ids"])]
+        remaining = budget - len(ep["response_ids"])
+        text = result.next_state[len(prefix) : len(prefix) + remaining * OBSERVATION_CHARS_PER_TOKEN]
+        observation = tokenizer.encode(text, add_special_tokens=False)[:remaining]
         ep["response_ids"] += observation
         ep["logprobs"] += [0.0] * len(observation)
         ep["action_mask"] += [0] * len(observation)
@@ -145,10 +153,13 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
         if not mask[i]:
             versions[i] = versions[i - 1]
     reward = out.get("reward")
+    try:
+        score, error = (0.0 if reward is None else check_reward(reward, "the executor's reward")), None
+    except RewardError as e:
+        score, error = 0.0, ("reward_error", f"{type(e).__name__}: {e}")
     ep.update(prompt_ids=tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
               action_mask=mask, action_ranges=[(a - start, b - start) for a, b in ranges],
               token_versions=versions, turns=len(engine.calls),
               finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
-              score=float(reward.item() if hasattr(reward, "item") else (reward or 0.0)),
-              extra_info=dict(out.get("extra_logs") or {}))
+              score=score, error=error, extra_info=dict(out.get("extra_logs") or {}))
     return ep

@@ -2,7 +2,8 @@
 random state) and trainer_state.json (the step, the weight version, the data position, the first evaluation).
 
 A checkpoint is written under step_<N>.partial and renamed when complete, so a run killed at any moment (or a rank
-dying while saving) leaves the previous checkpoints intact, and resuming only ever sees complete ones."""
+dying while saving) leaves the previous checkpoints intact, and resuming only ever sees complete ones. A fresh run
+refuses a run folder that holds an earlier run's records or checkpoints, unless told to delete them (--overwrite)."""
 
 import json
 import os
@@ -46,32 +47,124 @@ def save(root: str, step: int, policy, state: dict, keep: int) -> str:
     return final
 
 
-def find_resume(cfg, num_prompts: int):
-    """What --ckpt.resume continues from: (folder, trainer state) of the newest checkpoint, or None for a fresh
-    start. Also refuses, before any actor starts, a checkpoint that cannot continue this run, and a fresh run
-    that would mix its checkpoints with an earlier run's."""
+# What a run leaves in its run folder that a fresh run would truncate, mix with or replace (data/ and config.json
+# are rewritten the same way by any run).
+RECORDS = ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl", "summary.json", "tensorboard", "final_hf")
+
+
+def _uses_ckpt_path(cfg) -> bool:
+    """Whether this run touches --ckpt.path: the default one in its run folder, or one it saves to or resumes from."""
+    return bool(cfg.ckpt.save_steps or cfg.ckpt.resume or not cfg.ckpt.path)
+
+
+def earlier_records(cfg) -> list:
+    """The names of an earlier run's records that a fresh run with this config would replace: files in the run
+    folder and the final model folder (--ckpt.output_dir when it holds a model)."""
+    found = [name for name in RECORDS if os.path.exists(os.path.join(cfg.run_dir, name))]
+    if cfg.ckpt.output_dir and os.path.isfile(os.path.join(cfg.ckpt.output_dir, "config.json")):
+        found.append(cfg.ckpt.output_dir)
+    return found
+
+
+def remove_records(cfg) -> None:
+    """--overwrite: delete the earlier run's records and checkpoints (the final model in a --ckpt.output_dir of
+    the user's choosing is only overwritten, file by file, when this run saves its own)."""
+    for name in RECORDS:
+        path = os.path.join(cfg.run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
     root = cfg.ckpt_path
-    found = complete_checkpoints(root)
+    for name in os.listdir(root) if _uses_ckpt_path(cfg) and os.path.isdir(root) else []:
+        if _STEP_DIR.match(name.removesuffix(".partial")):
+            shutil.rmtree(os.path.join(root, name))
+
+
+def find_resume(cfg):
+    """What --ckpt.resume continues from: (folder, trainer state) of the newest checkpoint, or None for a fresh
+    start. Refuses, before any actor starts: a fresh run where an earlier run left its records or checkpoints
+    (unless --overwrite), --ckpt.resume with no checkpoint, and a checkpoint whose state is unreadable or which
+    has trained --train.max_steps already. check_resume_data then compares the datasets."""
+    root = cfg.ckpt_path
+    found = complete_checkpoints(root) if _uses_ckpt_path(cfg) else []
     if not cfg.ckpt.resume:
-        if found and cfg.ckpt.save_steps:
-            raise ConfigError(f"--ckpt.path {root} holds checkpoints of an earlier run (newest: step {found[-1][0]}): "
-                              "pass --ckpt.resume to continue it, or choose another --run_name or --ckpt.path")
+        records = earlier_records(cfg)
+        if (records or found) and not cfg.overwrite:
+            if not records:
+                where = f"--ckpt.path {root} holds checkpoints of an earlier run (newest: step {found[-1][0]})"
+            elif found:
+                where = (f"{cfg.run_dir} holds an earlier run's records ({', '.join(records)}; newest checkpoint: "
+                         f"step {found[-1][0]})")
+            else:
+                where = f"{cfg.run_dir} holds an earlier run's records ({', '.join(records)}) and no checkpoint"
+            resume = "pass --ckpt.resume to continue it, " if found else ""
+            other = "--run_name or --ckpt.path" if cfg.ckpt.path else "--run_name"
+            raise ConfigError(f"{where}: {resume}choose another {other}, or pass --overwrite to delete them and start "
+                              "again")
         return None
     if not found:
-        print(f"--ckpt.resume: no checkpoint in {root}; starting from scratch", flush=True)
-        return None
+        raise ConfigError(f"--ckpt.resume: no checkpoint in {root} to continue from (a run saves them with "
+                          "--ckpt.save_steps N); drop --ckpt.resume to start a new run")
     path = found[-1][1]
-    with open(os.path.join(path, STATE_FILE)) as f:
-        state = json.load(f)
+    state = read_state(path)
     if state["step"] >= cfg.train.max_steps:
         raise ConfigError(f"--ckpt.resume: {path} has trained {state['step']} steps already; raise "
                           f"--train.max_steps (now {cfg.train.max_steps}) to train more")
-    data = state["data"]
+    return path, state
+
+
+def check_resume_data(cfg, resume, num_prompts: int) -> None:
+    """A resumed run must continue the same prompt stream: the same dataset size and seed."""
+    if resume is None:
+        return
+    path, data = resume[0], resume[1]["data"]
     if data["num_prompts"] != num_prompts or data["seed"] != cfg.train.seed:
         raise ConfigError(f"--ckpt.resume: {path} was trained on {data['num_prompts']} prompts with --train.seed "
                           f"{data['seed']}, this run has {num_prompts} and {cfg.train.seed}; resume with the same "
                           "--data.prompt_dataset and --train.seed, or start a new run")
-    return path, state
+
+
+def read_state(path: str) -> dict:
+    """A checkpoint's trainer state, checked field by field (a ConfigError naming the file when it is broken)."""
+    state_file = os.path.join(path, STATE_FILE)
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+        problem = f"cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+    else:
+        problem = _state_problem(state)
+    if problem:
+        raise ConfigError(f"--ckpt.resume: {state_file} {problem}; delete {path} to resume from the checkpoint "
+                          "before it, or start a new run")
+    return state
+
+
+def _state_problem(state):
+    """What is wrong with a trainer state (as _save_checkpoint in trainer/pipeline.py writes it), or None."""
+    def whole(value, least=None):
+        return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not isinstance(state, dict):
+        return "is not a JSON object"
+    position, data, scores = state.get("data_position"), state.get("data"), state.get("eval_start")
+    fields = {
+        "step": whole(state.get("step"), 1),
+        "weight_version": whole(state.get("weight_version"), 0),
+        "eval_start": "eval_start" in state and (scores is None or isinstance(scores, dict)
+                                                 and all(map(number, scores.values()))),
+        "data_position": isinstance(position, dict) and set(position) <= {"frontier", "done", "flat"}
+                         and whole(position.get("frontier"), 0)
+                         and all(isinstance(position.get(k, []), list) and all(whole(i, 0) for i in position.get(k, []))
+                                 for k in ("done", "flat")),
+        "data": isinstance(data, dict) and whole(data.get("num_prompts"), 1) and whole(data.get("seed")),
+    }
+    bad = [name for name, ok in fields.items() if not ok]
+    return f"has a missing or malformed {', '.join(bad)} field" if bad else None
 
 
 def load(path: str, policy) -> None:

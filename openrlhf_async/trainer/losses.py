@@ -8,6 +8,8 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_st
 
     group_norm (GRPO): (r - group mean) / group std; dr_grpo: r - group mean (no std, no length bias);
     reinforce_baseline (REINFORCE++ with baseline): r - group mean, then whitened over the whole batch."""
+    if not torch.isfinite(rewards).all():  # the rollout refuses such rewards: one here is a bug, not a sample
+        raise ValueError("a reward of inf or nan reached the advantages; it would turn its group's into nan")
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if estimator == "group_norm":
         if no_std_norm:

@@ -102,9 +102,11 @@ class MetricsLog:
 
 
 def _open_record(path: str, resume_step):
-    """A JSON-lines record of steps, line-buffered: new, or (resuming) kept up to resume_step and continued."""
+    """A JSON-lines record of steps, line-buffered and appended to: never truncated, except that a resumed run
+    keeps only the lines up to resume_step (a fresh run finds none: train_async refuses a run folder that holds
+    an earlier run's records, or deletes them first with --overwrite)."""
     if resume_step is None:
-        return open(path, "w", buffering=1)
+        return open(path, "a", buffering=1)
     kept = []
     if os.path.isfile(path):
         with open(path) as f:

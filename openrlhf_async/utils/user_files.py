@@ -1,24 +1,94 @@
 """Users' .py files (agents, reward functions), imported by path with a one-line error naming their flag."""
 
 import importlib.util
+import json
 import os
+import signal
+import subprocess
 import sys
+
+IMPORT_TIMEOUT_S = 60.0  # how long a user file may take to import in check_user_file's child process
+
+# Run by check_user_file in a child Python: import the file, then write how it went to the pipe fd it was given.
+_CHILD = """
+import importlib.util, json, os, sys
+path, name, fd, sys.path[:] = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+try:
+    spec = importlib.util.spec_from_file_location(name, path)
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    verdict = "ok"
+except BaseException as e:  # SystemExit too: a file that exits at import is broken
+    verdict = "does not import ({}: {})".format(type(e).__name__, (str(e).strip().splitlines() or [""])[0][:500])
+os.write(fd, verdict.encode())
+"""
+
+
+def _module_name(path: str, prefix: str) -> str:
+    return f"{prefix}_{abs(hash(os.path.abspath(path)))}"
+
+
+def _check_path(path: str, flag: str, contract: str, error: type) -> None:
+    if not os.path.isfile(path):
+        raise error(f"{flag} {path}: no such file; expected a .py file with {contract}")
+    if not path.endswith(".py"):
+        raise error(f"{flag} {path}: not a Python file; expected {contract}")
+
+
+def check_user_file(path: str, flag: str, contract: str, error: type, prefix: str) -> None:
+    """Import the file once in a short-lived child process, so that a file which hangs at import (bounded by
+    IMPORT_TIMEOUT_S), exits or crashes the interpreter is an `error` naming `flag path`, not a hung or silently
+    ended run. The driver calls this for agent and reward files before it imports them itself."""
+    _check_path(path, flag, contract, error)
+    read_fd, write_fd = os.pipe()  # the verdict's own channel: the file may print anything, start anything
+    try:
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-B", "-c", _CHILD, path, _module_name(path, prefix), str(write_fd),
+                 json.dumps(sys.path)], pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True)  # its own process group: a timeout kills it all
+        finally:
+            os.close(write_fd)
+        try:
+            child.wait(timeout=IMPORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise error(f"{flag} {path}: did not finish importing within {IMPORT_TIMEOUT_S:g} s (a loop or a "
+                        "blocking call at module level?); keep slow work out of import") from None
+        os.set_blocking(read_fd, False)
+        try:
+            verdict = os.read(read_fd, 4096).decode(errors="replace")
+        except BlockingIOError:
+            verdict = ""
+    finally:
+        os.close(read_fd)
+    if verdict == "ok":
+        return
+    if verdict:
+        raise error(f"{flag} {path}: {verdict}")
+    how = f"killed by signal {-child.returncode}" if child.returncode < 0 else f"exit code {child.returncode}"
+    raise error(f"{flag} {path}: ends the Python process while importing ({how}; os._exit or a crash at module "
+                "level?); keep module-level code to definitions")
 
 
 def import_user_file(path: str, flag: str, contract: str, error: type, prefix: str):
     """The module at path, registered in sys.modules under a name derived from its path (dataclasses and
     pickling look a module up by name). Raises `error` naming `flag path` for a missing or broken file."""
-    if not os.path.isfile(path):
-        raise error(f"{flag} {path}: no such file; expected a .py file with {contract}")
-    name = f"{prefix}_{abs(hash(os.path.abspath(path)))}"
+    _check_path(path, flag, contract, error)
+    name = _module_name(path, prefix)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise error(f"{flag} {path}: not a Python file; expected {contract}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    # No __pycache__ beside the user's file: loading it (a dry run included) writes nothing.
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # SystemExit: a script-like file
         sys.modules.pop(name, None)
         raise error(f"{flag} {path}: does not import ({type(e).__name__}: {e})") from None
+    finally:
+        sys.dont_write_bytecode = dont_write
     return module
