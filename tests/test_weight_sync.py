@@ -53,6 +53,9 @@ def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(e
                                                                                 tiny_model_path):
     import time
 
+    def tokens_so_far(actor):  # what vLLM has produced for the requests it is running
+        return sum(s.detokenizer.num_output_tokens() for s in actor.engine.output_processor.request_states.values())
+
     prompt = _prompt_ids(tiny_model_path, 1)[0]
     # Move the trainer's weights well away from the engines', so old-weight tokens are told apart by their logprobs.
     samples = [{"prompt_ids": prompt, "response_ids": [20 + i, 21, 22], "logprobs": [-3.0] * 3, "advantage": 5.0}
@@ -61,18 +64,21 @@ def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(e
     engine, old = engines[0], weight_sync.version
     long = {"temperature": 1.0, "max_tokens": 180, "ignore_eos": True}
     ref = engine.generate.remote(prompt, long, "partial-0")
-    deadline = time.time() + 30
-    while ray.get(engine.unfinished.remote())["vllm"] == 0 and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # let it write some tokens on the old weights
-    weight_sync.sync(pause_mode="keep")  # freeze, load, resume: the request continues on the new weights
+    deadline = time.time() + 60
+    while ray.get(engine.__ray_call__.remote(tokens_so_far)) < 5:  # some tokens on the old weights, then freeze
+        assert time.time() < deadline, "the request produced no tokens"
+        time.sleep(0.005)
+    ray.get(engine.pause.remote("keep"))
+    frozen_at = ray.get(engine.__ray_call__.remote(tokens_so_far))
+    assert 5 <= frozen_at < 170, frozen_at
+    weight_sync.sync(pause_mode="keep")  # freeze (already), load, resume: the request continues on the new weights
     out = ray.get(ref)
 
     versions = out["token_versions"]
     assert len(out["response_ids"]) == 180 and len(versions) == 180 and len(out["logprobs"]) == 180
     assert versions[0] == old and versions[-1] == old + 1 and versions == sorted(versions), versions
     switch = versions.index(old + 1)
-    assert 0 < switch < 170, "the sync did not land inside the request"
+    assert switch == frozen_at, "the tokens produced before the freeze carry the old version, the rest the new"
     new = ray.get(policy.call("forward_logprobs", [out]))[0][0]["logprobs"]
     after = max(abs(a - b) for a, b in zip(out["logprobs"][switch:], new[switch:]))
     before = max(abs(a - b) for a, b in zip(out["logprobs"][:switch], new[:switch]))
