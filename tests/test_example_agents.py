@@ -226,7 +226,8 @@ async def step(state, action, label):
         return 0.0, state + action + tool.observation(result), False, {{"tool_calls": 1}}
     return await tool.step(state, action, label)
 """)
-    observation = tokenizer.encode("\n```output\n42 1\n```\n", add_special_tokens=False)  # PID 1: its own namespace
+    # PID 2: in its own PID namespace, after bwrap's init
+    observation = tokenizer.encode("\n```output\n42 2\n```\n", add_special_tokens=False)
     groups = _rollout(engines, stack_cfg, prompts, str(wrapper))
     for ep in [e for g in groups for e in g]:
         (a0, a1), (b0, b1) = ep["action_ranges"]
