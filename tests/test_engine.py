@@ -6,6 +6,7 @@ import pytest
 import ray
 
 from openrlhf_async.trainer.weight_sync import plan_buckets
+from conftest import unfinished
 
 LONG = {"temperature": 1.0, "max_tokens": 250, "ignore_eos": True}  # the model's whole length budget
 
@@ -13,7 +14,7 @@ LONG = {"temperature": 1.0, "max_tokens": 250, "ignore_eos": True}  # the model'
 def _wait_for_load(engine, expected, timeout=30):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if ray.get(engine.load.remote()) == expected:
+        if unfinished(engine)["actor"] == expected:
             return True
         time.sleep(0.05)
     return False
@@ -35,7 +36,7 @@ def test_abort_ends_a_running_request_and_releases_load(engines):
     out = ray.get(ref, timeout=30)
     assert out["finish_reason"] == "abort"
     assert len(out["response_ids"]) < 250 and len(out["logprobs"]) == len(out["response_ids"])
-    assert ray.get(engine.load.remote()) == 0
+    assert unfinished(engine)["actor"] == 0
 
 
 def test_pause_keep_freezes_requests_and_resume_finishes_them(engines):

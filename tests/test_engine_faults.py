@@ -9,6 +9,8 @@ import time
 
 import ray
 
+from conftest import unfinished
+from openrlhf_async.config import config_with
 from openrlhf_async.data.prompts import tokenize_prompts
 from openrlhf_async.data.synthetic import make_arithmetic_rows
 from openrlhf_async.rollout.controller import RolloutController
@@ -24,8 +26,9 @@ def test_killing_an_engine_mid_rollout_reroutes_its_groups(ray_cluster, stack_cf
     rows = make_arithmetic_rows(16, seed=5, split="train")
     prompts = itertools.cycle(tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows,
                                                apply_chat_template=True))
-    controller = RolloutController.from_config(cfg, engines, n=4, budget=150, filter_rule=None,
-                                               sampling={"temperature": 1.0, "ignore_eos": True})
+    cfg = config_with(cfg, rollout={"n_samples_per_prompt": 4, "max_new_tokens": 150},
+                      algo={"dynamic_filtering_enable": False})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
     result = {}
 
     def rollout():
@@ -38,7 +41,7 @@ def test_killing_an_engine_mid_rollout_reroutes_its_groups(ray_cluster, stack_cf
     try:
         thread.start()
         deadline = time.monotonic() + 120
-        while ray.get(engines[1].load.remote()) == 0:  # wait until groups are generating on the victim
+        while unfinished(engines[1])["actor"] == 0:  # wait until groups are generating on the victim
             assert time.monotonic() < deadline, "no group reached the second engine"
             time.sleep(0.05)
         ray.kill(engines[1])
@@ -50,7 +53,7 @@ def test_killing_an_engine_mid_rollout_reroutes_its_groups(ray_cluster, stack_cf
         assert len(groups) == 8 and all(len(g) == 4 for g in groups)
         assert m["rollout/engine_failures"] == 1 and m["rollout/groups_rerouted"] >= 1
         assert controller.dead_engines == {1} and controller.balancer.loads == [0, 0]
-        assert ray.get(engines[0].unfinished.remote()) == {"vllm": 0, "actor": 0}
+        assert unfinished(engines[0]) == {"vllm": 0, "actor": 0}
     finally:
         thread.join(timeout=300)
         ray.kill(engines[1])  # a second kill is a no-op

@@ -6,7 +6,7 @@ import pytest
 
 from openrlhf_async.data.prompts import tokenize_prompts
 from openrlhf_async.data.synthetic import make_arithmetic_rows
-from openrlhf_async.trainer.ppo_trainer import eval_scores, evaluate
+from openrlhf_async.trainer.evaluate import eval_scores, evaluate
 
 
 def test_mean_and_pass_at_k():

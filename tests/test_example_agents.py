@@ -7,14 +7,13 @@ import os
 import time
 
 import pytest
-import ray
 
+from conftest import tokenized_prompts, unfinished
 from openrlhf_async.agent import load_agent
-from openrlhf_async.data.synthetic import make_arithmetic_rows
+from openrlhf_async.config import config_with
 from openrlhf_async.reward.math_verify_reward import math_score
 from openrlhf_async.rollout.controller import RolloutController
 from openrlhf_async.rollout.episode import run_episode
-from openrlhf_async.trainer.ppo_trainer import tokenize_prompts
 
 AGENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "agents")
 SINGLE_TURN = os.path.join(AGENTS, "math_single_turn.py")
@@ -138,10 +137,7 @@ def test_tool_episode_masks_the_code_output_and_keeps_the_models_logprobs(tool_a
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    rows = make_arithmetic_rows(16, seed=5, split="train")
-    return tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
+    return tokenized_prompts(tiny_model_path, 16, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +148,14 @@ def tokenizer(tiny_model_path):
 
 
 def _rollout(engines, stack_cfg, prompts, agent_path):
-    controller = RolloutController.from_config(stack_cfg, engines, n=2, budget=48, filter_rule=None,
-                                               early_stop=False, agent_path=agent_path,
-                                               sampling={"temperature": 1.0})
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 48, "early_stop": False},
+                      algo={"dynamic_filtering_enable": False}, agent={"func_path": agent_path})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0})
     source = itertools.cycle(prompts)
     groups, metrics = controller.run(lambda: next(source), target=3)
     assert controller.balancer.loads == [0] * len(engines)
     for engine in engines:
-        assert ray.get(engine.unfinished.remote()) == {"vllm": 0, "actor": 0}
+        assert unfinished(engine) == {"vllm": 0, "actor": 0}
     episodes = [e for g in groups for e in g]
     assert len(episodes) == 6
     assert metrics["rollout/agent_errors"] == metrics["rollout/agent_timeouts"] == 0, metrics.get(

@@ -3,7 +3,6 @@ and the CPU demo, submitted with `ray job submit` to a Ray head started on loopb
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,6 +11,8 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "examples", "scripts")
@@ -85,14 +86,8 @@ def test_a_dry_run_rejects_a_bad_override_with_one_line(data_dir):
     assert proc.stderr.strip() == "error: --rollout.max_new_tokens 30000 must be below --data.max_len 22528"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_cpu_demo_submitted_as_a_ray_job_succeeds(tmp_path):
-    gcs, dashboard, *agents = (_free_port() for _ in range(6))
+    gcs, dashboard, *agents = (free_port() for _ in range(6))
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     # --block ties the cluster's life to this process: terminating it stops only this cluster, not the test
@@ -126,8 +121,9 @@ def test_the_cpu_demo_submitted_as_a_ray_job_succeeds(tmp_path):
         assert "succeeded" in proc.stdout + proc.stderr
         steps = [json.loads(line) for line in (runs / "job" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in steps] == [0, 1, 2] and "reward/mean" in steps[-1]
-        for evaluated in (steps[0], steps[-1]):  # at start and at the end
-            assert 0 <= evaluated["eval/mean@2"] <= evaluated["eval/pass@2"] <= 1
+        for evaluated in (steps[0], steps[-1]):  # at start and at the end, on all 16 problems, 2 samples each
+            for key, count in (("eval/mean@2", 32), ("eval/pass@2", 16)):  # a share of that many
+                assert evaluated[key] * count == pytest.approx(round(evaluated[key] * count), abs=1e-6), key
         summary = json.loads((runs / "job" / "summary.json").read_text())
         assert summary["steps"] == 2 and summary["mode"] == "fully_async"
     finally:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from openrlhf_async.config import Config, LoggerConfig, resolve_wandb_mode
-from openrlhf_async.utils.metrics import MetricsLog
+from openrlhf_async.config import Config, LoggerConfig
+from openrlhf_async.utils.metrics import MetricsLog, resolve_wandb_mode
 
 STEPS = [
     {"step": 1, "reward/mean": 0.25, "staleness/max": 0, "rollout/tokens_per_s": 120.0, "queue/depth": 1,

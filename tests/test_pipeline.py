@@ -9,17 +9,15 @@ import time
 import pytest
 import ray
 
-from openrlhf_async.data.prompts import tokenize_prompts
-from openrlhf_async.data.synthetic import make_arithmetic_rows
+from conftest import tokenized_prompts, unfinished
+from openrlhf_async.rollout.batch import AgentFailureError
 from openrlhf_async.trainer.pipeline import PPOTrainerAsync
+from openrlhf_async.trainer.staleness import StalenessPolicy
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    rows = make_arithmetic_rows(64, seed=5, split="train")
-    return tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
+    return tokenized_prompts(tiny_model_path, 64, seed=5)
 
 
 def _cfg(stack_cfg, mode, steps=3, rollout=None, **train):
@@ -64,18 +62,19 @@ def test_each_mode_trains_within_its_staleness_limit(mode, train, rollout, engin
                                                      stack_cfg):
     cfg = _cfg(stack_cfg, mode, rollout=rollout, **train)
     first = min(ray.get([e.get_weight_version.remote() for e in engines]))
+    limit = StalenessPolicy.from_config(cfg).limit
     summary, steps = _run(cfg, engines, policy, weight_sync, prompts)
-    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["step"] for m in steps] == [1, 2, 3] and summary["staleness_limit"] == limit
     assert [m["weight_version"] for m in steps] == [first + 1, first + 2, first + 3]
     for m in steps:
-        assert math.isfinite(m["loss"]) and m["staleness/max"] <= cfg.staleness_limit
+        assert math.isfinite(m["loss"]) and m["staleness/max"] <= limit
         assert m["rollout/groups_accepted"] == cfg.rollout.batch_size * cfg.train.require_batches
-        assert m["queue/depth"] <= cfg.queue_size and 0 <= m["trainer/idle_ratio"] <= 1
+        assert m["queue/depth"] <= cfg.queue_size
         assert m["rollout/tokens_screened"] <= m["rollout/groups_screened"] * 2 * cfg.rollout.max_new_tokens
         for key in ("rollouter/idle_ratio", "partial_ratio", "max_partial_span", "staleness/mean",
                     "staleness/stale_samples", "timing/sync_s", "is_weight_mean"):
             assert key in m
-    assert summary["max_staleness"] <= cfg.staleness_limit and summary["stale_groups_dropped"] == 0
+    assert summary["max_staleness"] <= limit and summary["stale_groups_dropped"] == 0
     # The prompt stream as a checkpoint records it: each position used up once, by the batch that resolved it.
     used = [p for m in steps for p in m["_used"]["positions"]]
     assert len(used) == len(set(used)), "a prompt was used up twice"
@@ -88,7 +87,7 @@ def test_each_mode_trains_within_its_staleness_limit(mode, train, rollout, engin
     if mode == "sync":
         assert summary["max_staleness"] == 0 and summary["stale_samples_trained"] == 0
     for engine in engines:  # the generator aborted what it had left running
-        assert ray.get(engine.unfinished.remote()) == {"vllm": 0, "actor": 0}
+        assert unfinished(engine) == {"vllm": 0, "actor": 0}
 
 
 def test_the_queue_bound_holds_a_fast_generator_back(engines, policy, weight_sync, prompts, stack_cfg):
@@ -110,7 +109,7 @@ def test_a_failing_generator_stops_the_trainer_with_its_cause(engines, policy, w
     cfg.agent.func_path, cfg.agent.max_error_ratio = str(agent), 0.1
     pipeline = PPOTrainerAsync(cfg, engines, policy, weight_sync, prompts, [])
     start = time.perf_counter()
-    with pytest.raises(Exception, match="tool server unreachable"):
+    with pytest.raises(AgentFailureError, match="tool server unreachable"):  # Ray re-raises it as its own class
         pipeline.run(lambda m: None)
     assert time.perf_counter() - start < 60
     assert _gone(pipeline.trainer) and _gone(pipeline.generator)
@@ -119,11 +118,74 @@ def test_a_failing_generator_stops_the_trainer_with_its_cause(engines, policy, w
 def test_a_failing_trainer_stops_the_generator(engines, policy, weight_sync, prompts, stack_cfg):
     cfg = _cfg(stack_cfg, "async", steps=50)
     pipeline = PPOTrainerAsync(cfg, engines, None, weight_sync, prompts, [])  # no policy: the first step fails
-    with pytest.raises(Exception, match="train_step"):
+    with pytest.raises(AttributeError, match="train_step"):  # None has no train_step
         pipeline.run(lambda m: None)
     assert _gone(pipeline.generator) and _gone(pipeline.trainer)
     for engine in engines:
         deadline = time.time() + 30
-        while ray.get(engine.unfinished.remote())["vllm"] and time.time() < deadline:
+        while unfinished(engine)["vllm"] and time.time() < deadline:
             time.sleep(0.2)
-        assert ray.get(engine.unfinished.remote())["vllm"] == 0
+        assert unfinished(engine)["vllm"] == 0
+
+
+class _ListQueue:
+    """A stand-in for ray.util.queue.Queue inside one process."""
+
+    def __init__(self, items=()):
+        self.items = list(items)
+
+    def qsize(self):
+        return len(self.items)
+
+    def get(self, timeout):
+        from ray.util.queue import Empty
+
+        if not self.items:
+            raise Empty
+        return self.items.pop(0)
+
+    def put(self, item):
+        self.items.append(item)
+
+
+class _CountingSync:
+    def __init__(self):
+        self.engines, self.version, self.engine_version, self.pause_modes = [], 0, 0, []
+
+    def sync(self, pause_mode):
+        time.sleep(0.05)
+        self.version, self.engine_version = self.version + 1, self.version + 1
+        self.pause_modes.append(pause_mode)
+
+
+def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, monkeypatch):
+    """TrainingActor.run in-process on queued batches (no engines, a timed stand-in step): a sync every
+    trigger_parameter_sync_step steps and at the end, frozen episodes under partial rollout, and the step timings and
+    idle ratio read off the trainer's timeline."""
+    from openrlhf_async.trainer import pipeline
+
+    monkeypatch.setattr(pipeline, "_live_version", lambda engines: 0)
+    cfg = _cfg(stack_cfg, "fully_async", steps=3, partial_rollout=True, trigger_parameter_sync_step=2)
+    cfg.ckpt.save_steps = 0
+    episode = {"reward": 1.0, "token_versions": [0, 0], "action_mask": [1, 1]}
+    batches = [{"index": i, "version": i // 2, "groups": [[episode] * 2], "used": [(i, i)], "flat": [], "spans": [],
+                "metrics": {"rollout/time_to_batch_s": 0.5, "rollout/tokens_generated": 10,
+                            "rollout/stale_groups_dropped": 1}} for i in range(3)]
+    logged, sync = _ListQueue(), _CountingSync()
+    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), sync, _ListQueue(batches), logged, [],
+                                     num_prompts=3, stand_in_train_s=0.1)
+    summary = trainer.run()
+    steps = logged.items
+    assert sync.pause_modes == ["keep", "keep"]  # after step 2 and after the last step
+    assert [m["weight_version"] for m in steps] == [0, 1, 2] and [m["queue/depth"] for m in steps] == [3, 2, 1]
+    assert [m["timing/sync_s"] > 0 for m in steps] == [False, True, True]
+    assert all(m["timing/train_s"] == pytest.approx(0.1, abs=0.05) and m["timing/wait_s"] < 0.05 for m in steps)
+    assert [m["staleness/max"] for m in steps] == [0, 0, 1] and [m["rollout/tokens_per_s"] for m in steps] == [20] * 3
+    assert summary["trainer_idle_ratio"] < 0.2 and summary["staleness_limit"] == 2
+    assert (summary["max_staleness"], summary["stale_samples_trained"], summary["stale_groups_dropped"]) == (1, 2, 3)
+    assert [m["_used"]["positions"] for m in steps] == [[0], [1], [2]]
+    batches[0]["version"] = 1  # made for another version than the trainer's: a bug in the version counts
+    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), _CountingSync(), _ListQueue(batches[:1]),
+                                     _ListQueue(), [], num_prompts=3, stand_in_train_s=0.0)
+    with pytest.raises(RuntimeError, match="counts disagree"):
+        trainer.run()

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from openrlhf_async.agent import StepResult
+from openrlhf_async.config import Config, config_with
 from openrlhf_async.data.prompts import load_prompts
 from openrlhf_async.reward.math_verify_reward import math_score
 from openrlhf_async.reward.sources import load_reward_func, parse_reward_output
-from openrlhf_async.rollout.controller import LocalHandle, RolloutController, keep_group
-from openrlhf_async.rollout.engine import LLMRayActorAsync
-from openrlhf_async.rollout.episode import empty_episode, run_episode, run_executor_episode, run_group, scores_vary
+from openrlhf_async.rollout.controller import LocalHandle, RolloutController
+from openrlhf_async.rollout.episode import empty_episode, run_episode, run_executor_episode, run_group
+from openrlhf_async.rollout.filter import GroupFilter
+from openrlhf_async.rollout.group_runner import rescored
 from openrlhf_async.trainer.losses import group_advantages
 
 BAD = [1e160, math.inf, math.nan, -math.inf, 1e7, "1.0", None]
@@ -81,21 +83,19 @@ class ScriptedEngine:
     """generate_group as the engine runs it, without vLLM: the real episode loop, and the engine's own rescoring
     when a reward source is given."""
 
-    _rescored = LLMRayActorAsync._rescored
-
     def __init__(self, reward=None):
         self.tokenizer, self.agent, self.reward = ByteTokenizer(), ScriptedAgent(), reward
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
-                             screen_eps=1e-6):
+                             group_filter=GroupFilter()):
         prompt_text = self.tokenizer.decode(prompt_ids)
 
         def episode(i):
             ep = run_episode(scripted_generate, self.agent, self.tokenizer, prompt_ids, label, sampling, budget,
                              max_steps=4, step_timeout=5.0, request_id=f"{group_id}-{i}")
-            return ep if self.reward is None else self._rescored(ep, prompt_text, label)
+            return ep if self.reward is None else rescored(ep, self.reward, self.tokenizer, prompt_text, label)
 
-        return await run_group(episode, n, screen, screen_eps)
+        return await run_group(episode, n, screen, group_filter)
 
     async def abort_groups(self, group_ids):
         return 0
@@ -116,9 +116,11 @@ def _label(rewards: list, source: str) -> dict:
     return {"turns": [[0.0]] * len(rewards), "final": rewards}
 
 
-def _run(engine, labels: list, target: int, n: int = 2, **settings):
-    controller = RolloutController([LocalHandle(engine)], n=n, sampling={}, budget=64, max_concurrent_prompts=4,
-                                   capacity_per_engine=64, early_stop=False, **settings)
+def _run(engine, labels: list, target: int, n: int = 2, algo=(), **kwargs):
+    cfg = config_with(Config(), rollout={"n_samples_per_prompt": n, "max_new_tokens": 64, "max_concurrent_prompts": 4,
+                                         "early_stop": False}, algo=dict(algo), vllm={"max_concurrency": 64},
+                      agent={"max_error_ratio": 1.0}, reward={"max_error_ratio": 1.0})
+    controller = RolloutController(cfg, [LocalHandle(engine)], sampling={}, **kwargs)
     it = iter(labels)
     groups, metrics = controller.run(lambda: {"prompt_ids": list(PROMPT.encode()), "label": next(it)}, target)
     return controller, groups, metrics
@@ -190,7 +192,7 @@ class RawScoreEngine:
 
 def test_the_controller_refuses_a_bad_score_from_any_engine_before_the_filter():
     labels = [[1e160, 0.0], [0.0, 1.0], [math.nan, 1.0], [math.inf, 2.0]]
-    _, groups, m = _run(RawScoreEngine(), labels, target=4, filter_rule=None)
+    _, groups, m = _run(RawScoreEngine(), labels, target=4, algo={"dynamic_filtering_enable": False})
     assert [[ep["reward"] for ep in g] for g in groups] == [[0.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 2.0]]
     assert m["rollout/reward_errors"] == 3 and m["rollout/reward_first_error"].startswith("RewardError: the episode")
     _, groups, m = _run(RawScoreEngine(), labels, target=3, wave_size=4)  # std filter: no OverflowError
@@ -198,7 +200,8 @@ def test_the_controller_refuses_a_bad_score_from_any_engine_before_the_filter():
 
 
 def test_the_group_filter_does_not_overflow_on_large_finite_scores():
-    assert scores_vary([1e160, 0.0]) and keep_group([1e300, -1e300]) and not scores_vary([1e160, 1e160])
+    keep = GroupFilter().keep
+    assert keep([1e160, 0.0]) and keep([1e300, -1e300]) and not keep([1e160, 1e160])
 
 
 def test_the_trainer_refuses_non_finite_rewards():

@@ -15,13 +15,8 @@ import urllib.request
 
 import pytest
 
+from conftest import free_port
 from openrlhf_async.reward.sources import RemoteReward, RewardError, RewardTimeout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(port: int, log_path, *args, wait: bool = True):
@@ -51,7 +46,7 @@ def _post(url: str, data: bytes):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     # timeout 0.5 s: below math-verify's own 1 s floor, so a hostile sample is ended by the pool's timeout.
     proc = _start(port, tmp_path_factory.mktemp("server") / "log", "--max_body_mb", "1", "--timeout", "0.5")
     yield f"http://127.0.0.1:{port}"
@@ -88,7 +83,7 @@ def test_bad_requests_get_a_json_error_and_the_server_stays_up(server, body, sta
 
 
 def test_burst_survives_a_server_restart(tmp_path):
-    port, sent = _free_port(), 240
+    port, sent = free_port(), 240
     log = tmp_path / "log"
     procs = [_start(port, log)]
 
@@ -131,7 +126,7 @@ def test_burst_survives_a_server_restart(tmp_path):
 
 
 def test_a_service_down_for_good_fails_quickly_after_its_retries():
-    client = RemoteReward([f"http://127.0.0.1:{_free_port()}/score"], timeout=2, retries=3, backoff=0.01)
+    client = RemoteReward([f"http://127.0.0.1:{free_port()}/score"], timeout=2, retries=3, backoff=0.01)
     start = time.monotonic()
     with pytest.raises(RewardError, match="after 4 attempts; last: .*ClientConnectorError"):
         asyncio.run(client.score(["q"], ["p"], ["l"]))
@@ -293,7 +288,7 @@ def test_what_the_service_reports_is_a_reward_error_of_that_sample(answer, kind,
 
 def test_slow_and_stalled_clients_are_closed_within_the_read_timeout(tmp_path):
     read_timeout, kinds, connections = 2, ("headers", "trickle", "body"), 200
-    port = _free_port()
+    port = free_port()
     proc = _start(port, tmp_path / "log", "--read_timeout", str(read_timeout),
                   "--reward.func_path", _reward_file(tmp_path, head="async def"))
     request = b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n"
@@ -363,7 +358,7 @@ def test_bad_flags_fail_in_one_line_naming_the_flag(tmp_path, args, flag):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         args = [str(busy.getsockname()[1]) if a == "in use" else a for a in args]
-        proc = subprocess.run([sys.executable, "-m", "openrlhf_async.cli.reward_server", "--port", str(_free_port()),
+        proc = subprocess.run([sys.executable, "-m", "openrlhf_async.cli.reward_server", "--port", str(free_port()),
                                "--reward.func_path", _reward_file(tmp_path), *args],
                               capture_output=True, text=True, timeout=20)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -379,6 +374,7 @@ def test_an_engine_scores_episodes_with_the_service_and_counts_its_outage(ray_cl
     import ray
     from transformers import AutoTokenizer
 
+    from openrlhf_async.config import config_with
     from openrlhf_async.data.prompts import tokenize_prompts
     from openrlhf_async.data.synthetic import make_arithmetic_rows
     from openrlhf_async.rollout.controller import RolloutController
@@ -387,7 +383,7 @@ def test_an_engine_scores_episodes_with_the_service_and_counts_its_outage(ray_cl
     func = tmp_path / "parity.py"
     func.write_text("def reward_func(queries, prompts, labels, **kwargs):\n"
                     "    return {'rewards': [float(len(q) % 2) for q in queries]}\n")
-    port = _free_port()
+    port = free_port()
     proc = _start(port, tmp_path / "log", "--reward.func_path", str(func))
     cfg = copy.deepcopy(stack_cfg)
     cfg.vllm.num_engines, cfg.reward.remote_url, cfg.reward.retries = 1, f"http://127.0.0.1:{port}/score", 1
@@ -395,15 +391,16 @@ def test_an_engine_scores_episodes_with_the_service_and_counts_its_outage(ray_cl
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     prompts = tokenize_prompts(tokenizer, make_arithmetic_rows(4, seed=3), apply_chat_template=True)
     try:
-        controller = RolloutController.from_config(cfg, [engine], n=4, filter_rule=None, early_stop=False)
+        cfg = config_with(cfg, rollout={"n_samples_per_prompt": 4, "early_stop": False},
+                          algo={"dynamic_filtering_enable": False})
+        controller = RolloutController(cfg, [engine])
         groups, m = controller.run(iter(prompts).__next__, target=4)
         for ep in (ep for g in groups for ep in g):
             text = tokenizer.decode(ep["prompt_ids"] + ep["response_ids"])
             assert ep["score"] == len(text) % 2 and ep["extra_info"]["agent_reward"] in (0.0, 1.0)
         assert m["rollout/reward_errors"] == 0
         _kill(proc)
-        controller = RolloutController.from_config(cfg, [engine], n=4, filter_rule=None, early_stop=False,
-                                                   max_reward_error_ratio=1.0)
+        controller = RolloutController(config_with(cfg, reward={"max_error_ratio": 1.0}), [engine])
         groups, m = controller.run(iter(prompts).__next__, target=4)
         assert m["rollout/reward_errors"] == 16 and all(ep["score"] == 0.0 for g in groups for ep in g)
         assert "RewardError" in m["rollout/reward_first_error"]

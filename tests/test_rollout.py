@@ -7,17 +7,14 @@ import textwrap
 import pytest
 import ray
 
-from openrlhf_async.data.prompts import tokenize_prompts
-from openrlhf_async.data.synthetic import make_arithmetic_rows
+from conftest import tokenized_prompts, unfinished
+from openrlhf_async.config import config_with
 from openrlhf_async.rollout.controller import RolloutController
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    rows = make_arithmetic_rows(64, seed=11, split="train")
-    return tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
+    return tokenized_prompts(tiny_model_path, 64, seed=11)
 
 
 def _agent_file(tmp_path, name, body):
@@ -34,7 +31,7 @@ def _source(prompts, **extra):
 def _assert_engines_idle(engines, controller):
     assert controller.balancer.loads == [0] * len(engines)
     for engine in engines:
-        assert ray.get(engine.unfinished.remote()) == {"vllm": 0, "actor": 0}
+        assert unfinished(engine) == {"vllm": 0, "actor": 0}
 
 
 def test_early_stop_aborts_in_flight_requests_and_leaves_none_running(engines, stack_cfg, prompts, tmp_path):
@@ -55,8 +52,8 @@ def test_early_stop_aborts_in_flight_requests_and_leaves_none_running(engines, s
     # the quick valid groups fill the batch while the slow ones are still generating.
     source = iter([group(0, "flat", quick), group(1, "flat", quick), group(2, "mixed", slow),
                    group(3, "mixed", slow)] + [group(i, "mixed", quick) for i in range(4, 40)])
-    controller = RolloutController.from_config(stack_cfg, engines, n=4, budget=200, agent_path=agent,
-                                               sampling={"temperature": 1.0, "ignore_eos": True})
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 4, "max_new_tokens": 200}, agent={"func_path": agent})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
     groups, m = controller.run(source.__next__, target=2)
     assert len(groups) == 2 and all(len(e["response_ids"]) == 8 for g in groups for e in g)
     assert m["rollout/groups_filtered"] >= 2 and m["rollout/groups_aborted"] >= 2
@@ -75,8 +72,9 @@ def test_screening_stops_flat_groups_after_their_first_samples(engines, stack_cf
             return float(label == "flat" or calls[state] % 2 == 1), state + action, True, {}
     """)
     source = iter([{**p, "label": "flat"} for p in prompts[:6]] + [{**p, "label": "mixed"} for p in prompts[6:]])
-    controller = RolloutController.from_config(stack_cfg, engines, n=4, budget=8, agent_path=agent, screen_samples=2,
-                                               sampling={"temperature": 1.0, "ignore_eos": True})
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 4, "max_new_tokens": 8, "screen_samples": 2},
+                      agent={"func_path": agent})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
     groups, m = controller.run(source.__next__, target=3)
     assert len(groups) == 3 and all(len(g) == 4 and sorted(e["score"] for e in g) == [0, 0, 1, 1] for g in groups)
     assert m["rollout/groups_screened"] >= 1 and m["rollout/groups_filtered"] == m["rollout/groups_screened"]
@@ -96,8 +94,9 @@ def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engi
             return 0.0, state + action + " [obs] ", False, {}
     """)
     # The model answers in a few tokens and stops (EOS), leaving budget for the second turn.
-    controller = RolloutController.from_config(stack_cfg, engines, n=2, budget=24, filter_rule=None,
-                                               sampling={"temperature": 1.0}, agent_path=agent)
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24},
+                      algo={"dynamic_filtering_enable": False}, agent={"func_path": agent})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0})
     groups, _ = controller.run(_source(prompts), target=2)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     feedback = tokenizer.encode(" [obs] ", add_special_tokens=False)
@@ -130,8 +129,9 @@ def test_agent_step_errors_and_timeouts_are_contained_and_counted(engines, stack
             return float(call % 2), state + action, True, {}
     """)
     # No early stop: the whole wave is waited for, so the slow (timed-out) episodes are in it.
-    controller = RolloutController.from_config(stack_cfg, engines, n=4, filter_rule=None, max_error_ratio=1.0,
-                                               early_stop=False, agent_path=agent)
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 4, "early_stop": False},
+                      algo={"dynamic_filtering_enable": False}, agent={"func_path": agent, "max_error_ratio": 1.0})
+    controller = RolloutController(cfg, engines)
     groups, m = controller.run(_source(prompts), target=4)
     episodes = [e for g in groups for e in g]
     assert m["rollout/agent_errors"] > 0 and m["rollout/agent_timeouts"] > 0
@@ -141,18 +141,44 @@ def test_agent_step_errors_and_timeouts_are_contained_and_counted(engines, stack
     _assert_engines_idle(engines, controller)
 
 
+def test_a_reward_source_chosen_per_call_scores_groups_on_a_shared_engine(engines, stack_cfg, prompts, tmp_path,
+                                                                          tiny_model_path):
+    from transformers import AutoTokenizer
+
+    parity = _agent_file(tmp_path, "parity", """
+        async def reward_func(queries, prompts, labels):
+            return {"rewards": [float(len(q) % 2) for q in queries]}
+    """)
+    reward = {**stack_cfg.reward.source(), "remote_url": parity}
+    prompt, engine = prompts[0], engines[0]
+    args = (prompt["prompt_ids"], prompt["label"], 4, {"temperature": 1.0})
+    scored, own = ray.get([engine.generate_group.remote(*args, "per-call-reward", 16, reward_source=reward),
+                           engine.generate_group.remote(*args, "run-reward", 16)])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for ep in scored:  # the whole text scored by the file; the built-in math agent's reward kept aside
+        text = tokenizer.decode(ep["prompt_ids"] + ep["response_ids"])
+        assert ep["error"] is None and ep["score"] == len(text) % 2 and ep["extra_info"]["agent_reward"] in (0, 1)
+    for ep in own:  # the session's engines have no reward source: the agent's reward stands
+        assert ep["error"] is None and "agent_reward" not in ep["extra_info"]
+        assert ep["score"] == ep["extra_info"]["accuracy"]
+    assert unfinished(engine) == {"vllm": 0, "actor": 0}
+
+
 def test_a_failing_group_releases_all_load(engines, stack_cfg, prompts):
     too_long = {"prompt_ids": [3] * (stack_cfg.data.max_len + 10), "label": "1"}
     source = iter([prompts[0], too_long] + prompts[1:])
-    controller = RolloutController.from_config(stack_cfg, engines, n=2, filter_rule=None,
-                                               sampling={"temperature": 1.0, "ignore_eos": True}, budget=100)
-    with pytest.raises(Exception, match="(?i)length|long"):
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 100},
+                      algo={"dynamic_filtering_enable": False})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
+    with pytest.raises(ValueError, match="(?i)length|long"):  # vLLM refuses the prompt
         controller.run(source.__next__, target=4)
     _assert_engines_idle(engines, controller)
 
 
 def test_groups_start_in_prompt_order(engines, stack_cfg, prompts):
-    controller = RolloutController.from_config(stack_cfg, engines, n=2, filter_rule=None, max_concurrent_prompts=1)
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_concurrent_prompts": 1},
+                      algo={"dynamic_filtering_enable": False})
+    controller = RolloutController(cfg, engines)
     groups, _ = controller.run(_source(prompts), target=3)
     assert [g[0]["prompt_ids"] for g in groups] == [p["prompt_ids"] for p in prompts[:3]]
 
@@ -188,8 +214,9 @@ def test_openrlhf_agent_executor_file_runs_unchanged(engines, stack_cfg, prompts
             def __init__(self):
                 super().__init__(AgentInstance)
     """)
-    controller = RolloutController.from_config(stack_cfg, engines, n=2, budget=24, filter_rule=None,
-                                               sampling={"temperature": 1.0}, agent_path=agent)
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24},
+                      algo={"dynamic_filtering_enable": False}, agent={"func_path": agent})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0})
     groups, _ = controller.run(_source(prompts), target=2)
     for ep in [e for g in groups for e in g]:
         assert ep["error"] is None and ep["score"] == 1.0 and ep["turns"] == 2

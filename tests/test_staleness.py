@@ -1,10 +1,10 @@
-"""Staleness accounting and the production gate, as pure logic."""
+"""The staleness policy (the production gate, the staleness limit, the sync behaviour) and staleness accounting,
+as pure logic."""
 
 import pytest
 
 from openrlhf_async.config import Config
-from openrlhf_async.trainer.staleness import (is_fresh, may_produce, oldest_version, production_window,
-                                              trained_version, version_report)
+from openrlhf_async.trainer.staleness import StalenessPolicy, oldest_version, version_report
 
 
 def _episode(versions, mask=None):
@@ -12,22 +12,34 @@ def _episode(versions, mask=None):
     return {"token_versions": versions, "action_mask": mask}
 
 
-def test_windows_per_mode():
-    assert production_window("sync") == (1, 0)
-    assert production_window("async", queue_size=2) == (1, 2)
-    assert production_window("fully_async", staleness_threshold=0.5, trigger_parameter_sync_step=2,
-                             require_batches=2) == (4, 2)
-    assert production_window("fully_async", staleness_threshold=0.5) == (1, 1)  # rounded up to a whole batch
-    assert production_window("fully_async", staleness_threshold=0.0, require_batches=3) == (3, 0)
+def _policy(mode, queue=1, threshold=0.0, trigger=1, require=1, max_staleness=-1, partial=False):
+    cfg = Config()
+    cfg.mode, cfg.train.async_queue_size, cfg.train.staleness_threshold = mode, queue, threshold
+    cfg.train.trigger_parameter_sync_step, cfg.train.require_batches = trigger, require
+    cfg.train.max_staleness, cfg.train.partial_rollout = max_staleness, partial
+    return StalenessPolicy.from_config(cfg)
+
+
+def test_each_mode_decodes_to_its_window_limit_and_sync_behaviour():
+    window = lambda p: (p.items_per_sync, p.slack, p.limit, p.carry_over, p.pause_mode)  # noqa: E731
+    assert window(_policy("sync")) == (1, 0, 0, False, "wait")
+    assert window(_policy("async", queue=2)) == (1, 2, 2, False, "wait")
+    assert window(_policy("fully_async", threshold=0.5, trigger=2, require=2)) == (4, 2, 2, True, "wait")
+    assert window(_policy("fully_async", threshold=0.5)) == (1, 1, 2, True, "wait")  # rounded up to a whole batch
+    assert window(_policy("fully_async", require=3, partial=True)) == (3, 0, 1, True, "keep")
+    assert window(_policy("fully_async", threshold=2.0)) == (1, 2, 3, True, "wait")
+    assert _policy("fully_async", threshold=2.0, max_staleness=0).limit == 0  # the flag overrides the mode's bound
+    assert _policy("async", queue=2, max_staleness=5).limit == 5
 
 
 def test_sync_mode_never_runs_ahead_and_async_runs_k_ahead():
-    assert may_produce(0, 0, 1, 0) and not may_produce(1, 0, 1, 0) and may_produce(1, 1, 1, 0)
-    assert may_produce(2, 0, 1, 2) and not may_produce(3, 0, 1, 2)
+    sync, async_2 = _policy("sync"), _policy("async", queue=2)
+    assert sync.may_produce(0, 0) and not sync.may_produce(1, 0) and sync.may_produce(1, 1)
+    assert async_2.may_produce(2, 0) and not async_2.may_produce(3, 0)
 
 
-def _earliest_version(index, items, slack):
-    return next(v for v in range(index + 2) if may_produce(index, v, items, slack))
+def _earliest_version(index, policy):
+    return next(v for v in range(index + 2) if policy.may_produce(index, v))
 
 
 @pytest.mark.parametrize("mode,queue,threshold,trigger,require", [
@@ -36,17 +48,14 @@ def _earliest_version(index, items, slack):
     ("fully_async", 1, 1.0, 2, 2), ("fully_async", 1, 2.0, 1, 3),
 ])
 def test_the_gate_keeps_every_batch_within_the_modes_staleness_limit(mode, queue, threshold, trigger, require):
-    cfg = Config()
-    cfg.mode, cfg.train.async_queue_size, cfg.train.staleness_threshold = mode, queue, threshold
-    cfg.train.trigger_parameter_sync_step, cfg.train.require_batches = trigger, require
-    items, slack = production_window(mode, queue, threshold, trigger, require)
+    policy = _policy(mode, queue, threshold, trigger, require)
     worst = 0
     for index in range(60):
-        # A group started as early as the gate allows; in fully_async it may also have been carried over from
-        # the batch before (started as early as that batch could start).
-        first = index - 1 if mode == "fully_async" and index else index
-        worst = max(worst, trained_version(index, items) - _earliest_version(first, items, slack))
-    assert worst <= cfg.staleness_limit
+        # A group started as early as the gate allows; with carry-over it may also come from the batch before
+        # (started as early as that batch could start).
+        first = index - 1 if policy.carry_over and index else index
+        worst = max(worst, policy.trained_version(index) - _earliest_version(first, policy))
+    assert worst <= policy.limit
     if mode == "sync":
         assert worst == 0
     if mode == "async":
@@ -62,4 +71,6 @@ def test_staleness_counts_model_tokens_only_and_partial_spans():
     assert report["staleness/mean"] == pytest.approx((0 + 2 + 1 + 0) / 4)
     assert report["partial_ratio"] == pytest.approx(1 / 4) and report["max_partial_span"] == 1
     assert oldest_version(partial) == 1 and oldest_version([_episode([])]) is None
-    assert is_fresh(partial, 3, limit=2) and not is_fresh(partial, 4, limit=2)
+    policy = _policy("fully_async", threshold=1.0)  # limit 2
+    assert policy.is_fresh(partial, 3) and not policy.is_fresh(partial, 4)
+    assert policy.is_fresh([_episode([0, 0], mask=[0, 0])], 9)  # no model tokens: nothing to be stale

@@ -94,18 +94,19 @@ def check_cluster(cfg) -> None:
 
 def dry_run_report(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> dict:
     from openrlhf_async.config import to_dict
+    from openrlhf_async.trainer.staleness import StalenessPolicy
 
     return {"config": to_dict(cfg), "model": model_path, "resources": resources(cfg),
             "datasets": {"train_rows": len(train_rows), "eval_rows": len(eval_rows)},
             "resume_from": resume and {"path": resume[0], "step": resume[1]["step"]},
-            "staleness_limit": cfg.staleness_limit, "queue_size": cfg.queue_size}
+            "staleness_limit": StalenessPolicy.from_config(cfg).limit, "queue_size": cfg.queue_size}
 
 
 def main(argv=None) -> int:
     from openrlhf_async.config import ConfigError, parse_config
 
-    cfg = parse_config(argv)
     try:
+        cfg = parse_config(argv)
         model_path, train_rows, eval_rows, resume = prepare(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from openrlhf_async.trainer.ppo_trainer import train
+    from openrlhf_async.trainer.run import train
     from openrlhf_async.utils.ray_utils import root_cause
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # CPU actors need no device masking

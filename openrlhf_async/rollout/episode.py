@@ -7,31 +7,25 @@ was generated with (an observation token takes the version of the action before 
 outlived a weight sync shows both versions."""
 
 import asyncio
-import math
 
 from openrlhf_async.reward.sources import RewardError, RewardTimeout, check_reward
+from openrlhf_async.rollout.filter import GroupFilter
 
 # An observation is cut to this many characters per token of budget left before it is tokenised: far more than
 # tokens of real text hold, so the tokens kept are the same, and a huge observation is never tokenised whole.
 OBSERVATION_CHARS_PER_TOKEN = 64
 
 
-def scores_vary(scores: list, eps: float = 1e-6) -> bool:
-    """Whether a group's scores carry a learning signal: their standard deviation is above eps (DAPO's filter)."""
-    mean = sum(scores) / len(scores)
-    return math.hypot(*(s - mean for s in scores)) / math.sqrt(len(scores)) > eps  # hypot: no OverflowError
-
-
-async def run_group(episode, n: int, screen: int = 0, eps: float = 1e-6) -> list:
+async def run_group(episode, n: int, screen: int = 0, group_filter: GroupFilter = GroupFilter()) -> list:
     """A prompt's n episodes, run concurrently; episode(i) returns the i-th one's coroutine.
-    With screen M (0 < M < n) the first M run alone, and the other n - M start only if the M scores vary. A group
-    whose first M samples all score the same is most likely flat (all n would), so it comes back with those M
-    alone and no more tokens are spent on it (SPEED-RL's screening). The M are a fixed subset, not the first to
-    finish, so a group is not judged by its shortest answers."""
+    With screen M (0 < M < n) the first M run alone, and the other n - M start only if the group filter keeps the
+    M scores. A group whose first M samples fail the filter most likely would with all n, so it comes back with
+    those M alone and no more tokens are spent on it (SPEED-RL's screening). The M are a fixed subset, not the
+    first to finish, so a group is not judged by its shortest answers."""
     if not 0 < screen < n:
         return list(await asyncio.gather(*(episode(i) for i in range(n))))
     first = list(await asyncio.gather(*(episode(i) for i in range(screen))))
-    if any(ep["aborted"] for ep in first) or not scores_vary([ep["score"] for ep in first], eps):
+    if any(ep["aborted"] for ep in first) or not group_filter.keep([ep["score"] for ep in first]):
         return first
     return first + list(await asyncio.gather(*(episode(i) for i in range(screen, n))))
 

@@ -8,17 +8,17 @@ ray.util.queue.Queue, started and watched by PPOTrainerAsync. One pipeline for e
   threshold's share of a sync window ahead, and with partial rollout the engines freeze running episodes during
   a sync and continue them on the new weights.
 
-Every group carries per-token weight versions; groups staler than the limit are dropped and counted, never trained
-on. A failure on either side stops both within seconds and is raised with its cause."""
+The mode is decoded once, into a StalenessPolicy (staleness.py) that both actors build from the config. Every group
+carries per-token weight versions; the generator drops (and counts) groups that would be staler than the limit at
+the version their batch will be trained at, and makes another in their place. A failure on either side stops both
+within seconds and is raised with its cause."""
 
 import threading
 import time
 
 import torch
 
-from openrlhf_async.trainer.staleness import (is_fresh, may_produce, production_window, trained_version,
-                                              version_report)
-from openrlhf_async.rollout.controller import live_versions
+from openrlhf_async.trainer.staleness import StalenessPolicy, version_report
 from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
@@ -46,6 +46,13 @@ def _put(queue, item, stopped: threading.Event) -> bool:
     return False
 
 
+def _live_version(engines: list) -> int:
+    """The oldest weight version the live engines hold."""
+    from openrlhf_async.rollout.engine import live_versions
+
+    return min(live_versions(engines).values())
+
+
 def _get(queue, stopped: threading.Event):
     from ray.util.queue import Empty
 
@@ -68,14 +75,13 @@ class GenerateSamplesActor:
         from openrlhf_async.rollout.controller import RolloutController
 
         self.cfg, self.engines, self.queue = cfg, engines, queue
-        self.controller = RolloutController.from_config(cfg, engines, carry_over=cfg.mode == "fully_async",
-                                                        on_group=self._group_done)
+        self.staleness = StalenessPolicy.from_config(cfg)
+        self.controller = RolloutController(cfg, engines, carry_over=self.staleness.carry_over,
+                                            on_group=self._group_done)
         self.sampler = PromptSampler(prompts, cfg.train.seed, skip_flat=cfg.rollout.skip_flat_prompts,
                                      **(data_position or {}))
         self._outcomes = []  # (dataset row, flat) of the groups finished in the batch being made
         self.timeline = Timeline("generator")
-        self.window = production_window(cfg.mode, cfg.queue_size, cfg.train.staleness_threshold,
-                                        cfg.train.trigger_parameter_sync_step, cfg.train.require_batches)
         self.stopped = threading.Event()
 
     def stop(self) -> None:
@@ -85,16 +91,13 @@ class GenerateSamplesActor:
         self._outcomes.append((prompt["id"], flat))
         self.sampler.record([(prompt["id"], flat)])
 
-    def _version(self) -> int:
-        return min(live_versions(self.engines).values())
-
     def _batch(self, target_version: int) -> tuple:
         """batch_size valid groups, none staler than the limit at the version they will be trained at."""
         size, groups, metrics = self.cfg.rollout.batch_size, [], {}
         dropped, used = 0, {}  # used: stream position -> dataset row, for the prompts this batch used up
 
         def carried() -> dict:
-            return {r["prompt"]["position"]: r["prompt"]["id"] for r in self.controller.carried}
+            return {r.prompt["position"]: r.prompt["id"] for r in self.controller.carried}
 
         def next_prompt() -> dict:
             prompt = self.sampler.next()
@@ -109,7 +112,7 @@ class GenerateSamplesActor:
             got, m = self.controller.run(next_prompt, size - len(groups))
             for position in carried():
                 used.pop(position, None)
-            fresh = [g for g in got if is_fresh(g, target_version, self.cfg.staleness_limit)]
+            fresh = [g for g in got if self.staleness.is_fresh(g, target_version)]
             dropped += len(got) - len(fresh)
             groups += fresh
             _merge_rollout_metrics(metrics, m)
@@ -119,39 +122,34 @@ class GenerateSamplesActor:
         return groups, metrics, sorted(used.items()), outcomes
 
     def run(self, num_items: int) -> dict:
-        items_per_sync, slack = self.window
-        start, idle = time.perf_counter(), 0.0
-        base = self._version()  # the engines' version when training starts (0 unless they were synced before)
+        start = time.time()
+        base = _live_version(self.engines)  # the engines' version when training starts (0 unless synced before)
         try:
             for index in range(num_items):
-                t0 = time.perf_counter()
-                while not may_produce(index, self._version() - base, items_per_sync, slack):
-                    if self.stopped.wait(0.02):
-                        return {"items": index, "stopped": True}
-                t1 = time.perf_counter()
-                self.timeline.add("wait", time.time() - (t1 - t0), time.time())
+                with self.timeline.span("wait"):  # until the staleness bound lets this batch start
+                    while not self.staleness.may_produce(index, _live_version(self.engines) - base):
+                        if self.stopped.wait(0.02):
+                            return {"items": index, "stopped": True}
+                version = base + self.staleness.trained_version(index)
                 with self.timeline.span("generate"):
-                    groups, metrics, used, outcomes = self._batch(base + trained_version(index, items_per_sync))
-                idle += t1 - t0
-                metrics["rollouter/idle_ratio"] = idle / max(1e-9, time.perf_counter() - start)
-                metrics["rollouter/gate_wait_s"] = t1 - t0
-                t2 = time.perf_counter()
+                    groups, metrics, used, outcomes = self._batch(version)
+                metrics["rollouter/idle_ratio"] = self.timeline.idle_ratio(start)
+                metrics["rollouter/gate_wait_s"] = self.timeline.last["wait"]
                 with self.timeline.span("wait"):
-                    item = {"index": index, "groups": groups, "metrics": metrics, "used": used,
+                    item = {"index": index, "version": version, "groups": groups, "metrics": metrics, "used": used,
                             "flat": outcomes, "spans": self.timeline.take()}
                     if not _put(self.queue, item, self.stopped):
                         return {"items": index, "stopped": True}
-                idle += time.perf_counter() - t2
             _put(self.queue, END, self.stopped)
-            return {"items": num_items, "idle_ratio": idle / max(1e-9, time.perf_counter() - start)}
+            return {"items": num_items, "idle_ratio": self.timeline.idle_ratio(start)}
         finally:
             self.controller.close()  # groups still running will never be used
 
 
 class TrainingActor:
-    """Takes batches off the queue, trains on the fresh ones, syncs weights to the engines, evaluates, and saves
-    resumable checkpoints. Each step's record also carries the prompts it used up ("_used") and every actor's
-    activity spans ("_spans"), which the metrics log writes to their own files."""
+    """Takes batches off the queue, trains on them, syncs weights to the engines, evaluates, and saves resumable
+    checkpoints. Each step's record also carries the prompts it used up ("_used") and every actor's activity spans
+    ("_spans"), which the metrics log writes to their own files."""
 
     def __init__(self, cfg, policy, weight_sync, queue, metrics_queue, eval_prompts: list,
                  num_prompts: int, resumed: dict = None, stand_in_train_s: float = None):
@@ -161,22 +159,126 @@ class TrainingActor:
         self.cfg, self.policy, self.weight_sync = cfg, policy, weight_sync
         self.queue, self.metrics_queue, self.eval_prompts = queue, metrics_queue, eval_prompts
         self.stand_in_train_s = stand_in_train_s  # benchmarks: a timed stand-in for the optimizer step
+        self.staleness = StalenessPolicy.from_config(cfg)
         self.stopped = threading.Event()
         # Continue from the version the engines hold (tests and benchmarks reuse engines across runs; a resumed
         # run has synced the checkpoint's weights and version to them).
-        self.weight_sync.version = min(live_versions(weight_sync.engines).values())
+        self.weight_sync.version = _live_version(weight_sync.engines)
         self.num_prompts, self.resumed = num_prompts, resumed
         self.progress = StreamProgress(**resumed["data_position"]) if resumed else StreamProgress()
+        self.eval_start = resumed and resumed["eval_start"]  # the scores before training, for the summary
+        self.totals = {"max_staleness": 0, "stale_samples_trained": 0, "stale_groups_dropped": 0}
         self.timeline = Timeline("trainer")
 
     def stop(self) -> None:
         self.stopped.set()
 
+    def run(self) -> dict:
+        """Wait for a batch, train on it, sync every --train.trigger_parameter_sync_step steps, evaluate every
+        --eval.steps, log the step, save every --ckpt.save_steps; returns the run's summary."""
+        t, cfg = self.cfg.train, self.cfg
+        first_step, scores = self._start()
+        start, before = time.time(), dict(self.timeline.seconds)  # idle time counts from the first step
+        for step in range(first_step, t.max_steps + 1):
+            with self.timeline.span("wait"):
+                depth, items = self.queue.qsize(), self._next_batch(step)
+            if items is None:
+                return {"stopped": True}
+            metrics = {"step": step, **self._step(items)}
+            synced = step % t.trigger_parameter_sync_step == 0 or step == t.max_steps
+            if synced:
+                with self.timeline.span("sync"):
+                    self.weight_sync.sync(self.staleness.pause_mode)
+            metrics.update(self._timing(depth, synced))
+            if self.eval_prompts and (step % cfg.eval.steps == 0 or step == t.max_steps):
+                scores = self._evaluate()
+                metrics.update({**scores, "timing/eval_s": self.timeline.last["eval"]})
+            self._log(metrics, items)
+            if cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0:
+                self._save_checkpoint(step)
+        return {"eval_start": self.eval_start, "eval_end": scores, **self.totals,
+                "trainer_idle_ratio": self.timeline.idle_ratio(start, before), "staleness_limit": self.staleness.limit}
+
+    def _start(self) -> tuple:
+        """(first step, latest scores): a resumed run goes on after its checkpoint; a fresh one evaluates the initial
+        policy first, logged as step 0."""
+        if self.resumed:
+            return self.resumed["step"] + 1, None
+        self.eval_start = self._evaluate()
+        if self.eval_start is not None:
+            self.metrics_queue.put({"step": 0, **self.eval_start, "weight_version": 0, "_spans": self.timeline.take()})
+        return 1, self.eval_start
+
+    def _next_batch(self, step: int):
+        """The step's --train.require_batches items off the queue; None when asked to stop."""
+        items = []
+        for _ in range(self.cfg.train.require_batches):
+            item = _get(self.queue, self.stopped)
+            if item is None:
+                return None
+            if item == END:
+                raise RuntimeError(f"the generator ended at step {step}, before --train.max_steps "
+                                   f"{self.cfg.train.max_steps}")
+            items.append(item)
+        return items
+
+    def _step(self, items: list) -> dict:
+        """One optimizer step on a batch's groups; returns the step's training, rollout and staleness figures. The
+        generator made the batch for this version and left out what would be staler than the limit here."""
+        from openrlhf_async.trainer.losses import group_advantages
+        from openrlhf_async.trainer.policy import loss_settings
+
+        version, groups = self.weight_sync.version, [g for item in items for g in item["groups"]]
+        if any(item["version"] != version for item in items):
+            raise RuntimeError(f"batches made for weight versions {[item['version'] for item in items]} reached the "
+                               f"trainer at version {version}: the generator's and the trainer's counts disagree")
+        metrics = {}
+        with self.timeline.span("train"):
+            if self.stand_in_train_s is not None:
+                time.sleep(self.stand_in_train_s)
+            else:
+                rewards = torch.tensor([[s["reward"] for s in g] for g in groups])
+                advantages = group_advantages(rewards, self.cfg.algo.advantage_estimator,
+                                              self.cfg.algo.advantage_no_std_norm)
+                samples = [{**s, "advantage": a} for g, adv in zip(groups, advantages) for s, a in zip(g, adv.tolist())]
+                stats = self.policy.train_step(samples, self.cfg.train.micro_batch_size, loss_settings(self.cfg))
+                metrics = {"reward/mean": rewards.mean().item(),
+                           "rollout/response_len_mean": sum(sum(s["action_mask"]) for s in samples) / len(samples),
+                           **{k: stats[k] for k in ("loss", "clip_ratio", "is_weight_mean", "is_corrected_ratio", "kl",
+                                                    "grad_norm")}}
+        for item in items:
+            _merge_rollout_metrics(metrics, item["metrics"])
+        report = version_report(groups, version)
+        self.totals["max_staleness"] = max(self.totals["max_staleness"], report["staleness/max"])
+        self.totals["stale_samples_trained"] += report["staleness/stale_samples"]
+        self.totals["stale_groups_dropped"] += metrics["rollout/stale_groups_dropped"]
+        metrics.update(report)
+        metrics["timing/generate_s"] = metrics["rollout/time_to_batch_s"]
+        metrics["rollout/tokens_per_s"] = metrics["rollout/tokens_generated"] / max(1e-9, metrics["timing/generate_s"])
+        return metrics
+
+    def _timing(self, depth: int, synced: bool) -> dict:
+        """The step's phases as the trainer's timeline recorded them, and where the weight versions stand."""
+        wait, train = self.timeline.last["wait"], self.timeline.last["train"]
+        sync = self.timeline.last["sync"] if synced else 0.0
+        return {"trainer/idle_ratio": wait / max(1e-9, wait + train + sync), "queue/depth": depth,
+                "timing/wait_s": wait, "timing/train_s": train, "timing/sync_s": sync,
+                "weight_version": self.weight_sync.version, "engine_weight_version": self.weight_sync.engine_version,
+                "rollout/engines_alive": len(self.weight_sync.engines)}
+
     def _evaluate(self):
-        from openrlhf_async.trainer.ppo_trainer import evaluate
+        from openrlhf_async.trainer.evaluate import evaluate
 
         with self.timeline.span("eval"):  # on the engines alive at the last sync
             return evaluate(self.cfg, self.weight_sync.engines, self.eval_prompts)
+
+    def _log(self, metrics: dict, items: list) -> None:
+        """Send the step's record to the metrics log, with the prompt-stream positions it used up and the spans."""
+        used = [u for item in items for u in item["used"]]
+        self.progress.add((position for position, _ in used), [o for item in items for o in item["flat"]])
+        metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
+        metrics["_spans"] = self._spans(items)
+        self.metrics_queue.put(metrics)
 
     def _spans(self, items: list) -> list:
         """Every actor's spans since the last step; an actor that died meanwhile has none."""
@@ -190,113 +292,17 @@ class TrainingActor:
                 pass
         return spans
 
-    def _save_checkpoint(self, step: int, scores_start) -> None:
+    def _save_checkpoint(self, step: int) -> None:
         from openrlhf_async.trainer import checkpoint
 
-        deadline = time.time() + 30  # the step's record must be in metrics.jsonl before the checkpoint exists
-        while self.metrics_queue.qsize() and time.time() < deadline:
-            time.sleep(0.05)
-        state = {"weight_version": self.weight_sync.version, "eval_start": scores_start,
+        state = {"weight_version": self.weight_sync.version, "eval_start": self.eval_start,
                  "data_position": self.progress.state(),
                  "data": {"num_prompts": self.num_prompts, "seed": self.cfg.train.seed}}
         with self.timeline.span("checkpoint"):
+            deadline = time.time() + 30  # the step's record must be in metrics.jsonl before the checkpoint exists
+            while self.metrics_queue.qsize() and time.time() < deadline:
+                time.sleep(0.05)
             checkpoint.save(self.cfg.ckpt_path, step, self.policy, state, self.cfg.ckpt.max_num)
-
-    def _train(self, groups: list) -> dict:
-        from openrlhf_async.trainer.losses import group_advantages
-        from openrlhf_async.trainer.policy import loss_settings
-
-        if self.stand_in_train_s is not None:
-            time.sleep(self.stand_in_train_s)
-            return {}
-        rewards = torch.tensor([[s["reward"] for s in g] for g in groups])
-        advantages = group_advantages(rewards, self.cfg.algo.advantage_estimator, self.cfg.algo.advantage_no_std_norm)
-        samples = [{**s, "advantage": a} for g, adv in zip(groups, advantages) for s, a in zip(g, adv.tolist())]
-        stats = self.policy.train_step(samples, self.cfg.train.micro_batch_size, loss_settings(self.cfg))
-        tokens = sum(sum(s["action_mask"]) for s in samples)
-        return {"reward/mean": rewards.mean().item(), "rollout/response_len_mean": tokens / len(samples),
-                **{k: stats[k] for k in ("loss", "clip_ratio", "is_weight_mean", "is_corrected_ratio", "kl",
-                                         "grad_norm")}}
-
-    def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        pause_mode = "keep" if t.partial_rollout else "wait"
-        if self.resumed:
-            first_step, scores = self.resumed["step"] + 1, None
-            scores_start = self.resumed["eval_start"]
-        else:
-            first_step, scores = 1, self._evaluate()
-            scores_start = scores
-            if scores is not None:
-                self.metrics_queue.put({"step": 0, **scores, "weight_version": 0, "_spans": self.timeline.take()})
-        start, idle, stale_trained, dropped_total, max_staleness = time.perf_counter(), 0.0, 0, 0, 0
-        for step in range(first_step, t.max_steps + 1):
-            t0 = time.perf_counter()
-            depth = self.queue.qsize()
-            items = []
-            with self.timeline.span("wait"):
-                for _ in range(t.require_batches):
-                    item = _get(self.queue, self.stopped)
-                    if item is None:
-                        return {"stopped": True}
-                    if item == END:
-                        raise RuntimeError(f"the generator ended at step {step}, before --train.max_steps "
-                                           f"{t.max_steps}")
-                    items.append(item)
-            t1 = time.perf_counter()
-            version = self.weight_sync.version
-            groups = [g for item in items for g in item["groups"]]
-            fresh = [g for g in groups if is_fresh(g, version, cfg.staleness_limit)]
-            dropped = len(groups) - len(fresh)
-            report = version_report(fresh, version)
-            with self.timeline.span("train"):
-                stats = self._train(fresh) if fresh else {}
-            t2 = time.perf_counter()
-            sync_s = 0.0
-            if step % t.trigger_parameter_sync_step == 0 or step == t.max_steps:
-                with self.timeline.span("sync"):
-                    sync_s = self.weight_sync.sync(pause_mode)
-            t3 = time.perf_counter()
-            idle += t1 - t0
-            dropped_total += dropped
-            stale_trained += report["staleness/stale_samples"]
-            max_staleness = max(max_staleness, report["staleness/max"])
-            metrics = {"step": step, **stats}
-            for item in items:
-                _merge_rollout_metrics(metrics, item["metrics"])
-            metrics.update(report)
-            metrics.update({
-                "rollout/tokens_per_s": metrics["rollout/tokens_generated"] / max(1e-9, metrics["rollout/time_to_batch_s"]),
-                "trainer/idle_ratio": (t1 - t0) / max(1e-9, t3 - t0),
-                "trainer/stale_groups_dropped": dropped,
-                "queue/depth": depth,
-                "timing/wait_s": t1 - t0,
-                "timing/generate_s": metrics["rollout/time_to_batch_s"],
-                "timing/train_s": t2 - t1,
-                "timing/sync_s": sync_s,
-                "weight_version": self.weight_sync.version,
-                "engine_weight_version": self.weight_sync.engine_version,
-                "rollout/engines_alive": len(self.weight_sync.engines),
-            })
-            if self.eval_prompts and (step % cfg.eval.steps == 0 or step == t.max_steps):
-                t4 = time.perf_counter()
-                scores = self._evaluate()
-                metrics.update(scores)
-                metrics["timing/eval_s"] = time.perf_counter() - t4
-            used = [u for item in items for u in item["used"]]
-            self.progress.add((position for position, _ in used), [o for item in items for o in item["flat"]])
-            metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
-            metrics["_spans"] = self._spans(items)
-            self.metrics_queue.put(metrics)
-            start += metrics.get("timing/eval_s", 0.0)  # evaluation is neither training nor idling
-            if cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0:
-                t5 = time.perf_counter()
-                self._save_checkpoint(step, scores_start)
-                start += time.perf_counter() - t5
-        busy_s = time.perf_counter() - start
-        return {"eval_start": scores_start, "eval_end": scores,
-                "trainer_idle_ratio": idle / max(1e-9, busy_s), "max_staleness": max_staleness,
-                "stale_samples_trained": stale_trained, "stale_groups_dropped": dropped_total}
 
 
 class PPOTrainerAsync:

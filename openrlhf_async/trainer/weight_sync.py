@@ -52,7 +52,7 @@ class WeightSync:
     def drop_dead_engines(self) -> int:
         """Leave out engines whose actor died (the rollout reroutes their groups): a new group is formed with the
         live ones, since a collective with a dead member fails. Returns how many were dropped."""
-        from openrlhf_async.rollout.controller import live_versions
+        from openrlhf_async.rollout.engine import live_versions
 
         alive = live_versions(self.engines)
         dropped = len(self.engines) - len(alive)

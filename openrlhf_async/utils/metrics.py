@@ -16,6 +16,26 @@ def scalars(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
 
 
+def wandb_api_key_available() -> bool:
+    """Whether W&B finds credentials: env WANDB_API_KEY or a netrc entry for api.wandb.ai."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_wandb_mode(requested: str) -> str:
+    """--logger.wandb_mode, else env WANDB_MODE, else online with an API key and offline without."""
+    env = os.environ.get("WANDB_MODE", "")
+    env = {"dryrun": "offline", "run": "online"}.get(env, env)  # wandb's legacy names
+    return requested or env or ("online" if wandb_api_key_available() else "offline")
+
+
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -55,8 +75,6 @@ class MetricsLog:
             # Indented four spaces: TensorBoard renders text as Markdown, and this keeps the JSON a code block.
             self.tensorboard.add_text("config", "\n".join("    " + line for line in config_text.splitlines()))
         if logger is not None and logger.use_wandb:
-            from openrlhf_async.config import resolve_wandb_mode
-
             mode = resolve_wandb_mode(logger.wandb_mode)
             if mode != "disabled":
                 name = logger.wandb_run_name or os.path.basename(os.path.normpath(run_dir))

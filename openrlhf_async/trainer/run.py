@@ -1,37 +1,12 @@
-"""Training entry point: prompts tokenised, engines, policy ranks and the weight-sync group started, then the
-pipeline (trainer/pipeline.py) run in the configured mode; greedy evaluation on the held-out split."""
+"""The run driver: prompts tokenised, engines, policy ranks and the weight-sync group started, then the pipeline
+(trainer/pipeline.py) run in the configured mode, the run's pictures drawn and its summary written."""
 
 import json
 import os
 import time
 
 from openrlhf_async.data.prompts import tokenize_prompts
-from openrlhf_async.rollout.controller import RolloutController
 from openrlhf_async.utils.ray_utils import get_all
-
-
-def evaluate(cfg, engines: list, eval_prompts: list):
-    """k = --eval.n_samples_per_prompt episodes per held-out problem (greedy when k is 1): {"eval/mean@k": share of
-    correct samples, "eval/pass@k": share of problems with a correct sample, "eval/accuracy": mean@k}; None without
-    prompts. A sample is correct when the agent reports accuracy 1 (the math agents do), else when it scored."""
-    if not eval_prompts:
-        return None
-    k = cfg.eval.n_samples_per_prompt
-    controller = RolloutController.from_config(
-        cfg, engines, n=k, sampling={"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p},
-        budget=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, filter_rule=None, early_stop=False,
-        overlong_buffer=0, max_error_ratio=1.0, max_reward_error_ratio=1.0)
-    groups, _ = controller.run(iter(eval_prompts).__next__, len(eval_prompts))
-    return eval_scores([[float(ep["extra_info"].get("accuracy", ep["score"] > 0)) for ep in g] for g in groups])
-
-
-def eval_scores(correct: list) -> dict:
-    """correct: per problem, k values in {0, 1}. mean@k averages all samples; pass@k counts the problems solved at
-    least once."""
-    k = len(correct[0])
-    mean_at_k = sum(map(sum, correct)) / (k * len(correct))
-    return {f"eval/mean@{k}": mean_at_k, f"eval/pass@{k}": sum(max(c) for c in correct) / len(correct),
-            "eval/accuracy": mean_at_k}
 
 
 def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) -> dict:
@@ -88,7 +63,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
         "trainer_idle_ratio": round(result["trainer_idle_ratio"], 3),
         "generator_idle_ratio": result["generator_idle_ratio"] and round(result["generator_idle_ratio"], 3),
         "max_staleness": result["max_staleness"],
-        "staleness_limit": cfg.staleness_limit,
+        "staleness_limit": result["staleness_limit"],
         "stale_samples_trained": result["stale_samples_trained"],
         "stale_groups_dropped": result["stale_groups_dropped"],
         "checkpoint": output_dir,
@@ -103,8 +78,8 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
 def _report(run_dir: str) -> list:
     """Draw the run's pictures (learning curves, actor timeline) and return their paths; a failure here must not
     fail a finished run."""
-    from openrlhf_async.cli.report import write_report
     from openrlhf_async.utils.metrics import one_line, warn
+    from openrlhf_async.utils.report import write_report
 
     try:
         report = write_report(run_dir)

@@ -1,0 +1,305 @@
+"""One rollout batch: the groups started for it, in start order, what became of each, and when it is complete.
+
+The controller drives it (it starts groups on engines, awaits them and aborts them); the batch keeps the state
+and takes the events: a group admitted, a group finished, an engine died. When the batch is complete is a stop
+rule, chosen once per controller from the config:
+- EarlyStop: the first `target` groups to finish valid; only as many groups run as are expected to yield them.
+- UnbiasedEarlyStop: the first `target` valid groups in start order, so long groups started early are waited
+  for rather than passed over for quicker ones.
+- Waves (no early stop, the usual dynamic sampling): a whole wave of prompts is generated and waited for, then
+  filtered, and another wave starts until enough groups are valid."""
+
+import asyncio
+import enum
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from openrlhf_async.rollout.filter import GroupFilter
+
+# An episode's error kind -> (failure family, the counter it goes to).
+ERROR_KINDS = {"error": ("agent", "agent_errors"), "timeout": ("agent", "agent_timeouts"),
+               "reward_error": ("reward", "reward_errors"), "reward_timeout": ("reward", "reward_timeouts")}
+COUNTERS = ["started", "finished", "aborted", "screened", "tokens", "tokens_aborted", "tokens_screened", "episodes",
+            "agent_errors", "agent_timeouts", "reward_errors", "reward_timeouts", "rerouted"]
+HOPELESS_GROUPS = 20  # batches' worth of finished groups with none valid, after which a rollout gives up
+
+
+class AgentFailureError(RuntimeError):
+    """Too many of a batch's episodes failed in the agent's step or lost their reward."""
+
+
+class State(enum.Enum):
+    RUNNING = "running"  # its engine call is in flight
+    REROUTE = "reroute"  # its engine died: it restarts from its prompt on a live engine, before any new prompt
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class StartedGroup:
+    """A prompt's group from the moment it is admitted; with carry over it may outlive its batch."""
+    prompt: dict
+    index: int = 0  # its place in its batch's start order
+    state: State = State.RUNNING
+    group_id: str = ""
+    engine: int = -1
+    call: Any = None  # the engine's generate_group call (a Ray ObjectRef, or an awaitable for local engines)
+    episodes: Optional[list] = None
+    valid: Optional[bool] = None
+
+
+def group_tokens(episodes: list) -> int:
+    """Tokens the model generated for a group's episodes (observation tokens left out)."""
+    return sum(sum(ep["action_mask"]) for ep in episodes)
+
+
+class RolloutBatch:
+    def __init__(self, target: int, n: int, stop, group_filter: GroupFilter, error_ratios: dict,
+                 carried: list = (), dead_engines: set = ()):
+        """stop: the stop rule's class (see stop_rule). error_ratios: failure family -> the share of episodes that
+        may fail. carried: groups started for an earlier batch and not used yet; they come first."""
+        self.target, self.n, self.filter, self.error_ratios = target, n, group_filter, error_ratios
+        self.stop = stop(target)
+        self.start_time = time.perf_counter()
+        self.records, self.finished, self.reroute = [], [], []  # start order, finish order, start order
+        self.pending = {}  # task awaiting a group's engine call -> its record
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self.first_error = {}  # failure family ("agent", "reward") -> its first error message
+        self.failure = None  # the error the batch stops on
+        self.carried_in = len(carried)
+        for record in carried:
+            record.index = len(self.records)
+            self.records.append(record)
+            if record.state is State.FINISHED:
+                self.finished.append(record)
+            elif record.state is State.REROUTE:  # its engine died in an earlier batch, counted there
+                self.reroute.append(record)
+            elif record.engine in dead_engines:
+                record.state = State.REROUTE
+                self.reroute.append(record)
+                self.stats["rerouted"] += 1
+            else:
+                self.watch(record)
+
+    def admit(self, prompt: dict) -> StartedGroup:
+        record = StartedGroup(prompt, index=len(self.records))
+        self.records.append(record)
+        self.stats["started"] += 1
+        return record
+
+    def watch(self, record: StartedGroup) -> None:
+        """The group's engine call is in flight: await it."""
+        record.state = State.RUNNING
+        self.pending[asyncio.ensure_future(awaited(record.call))] = record
+
+    def group_finished(self, record: StartedGroup, episodes: list) -> bool:
+        """Count the group and judge it. Returns whether it is flat (all rewards equal, or screened as such)."""
+        record.episodes, record.state = episodes, State.FINISHED
+        self.stats["finished"] += 1
+        for ep in episodes:
+            self.stats["episodes"] += 1
+            self.stats["tokens"] += sum(ep["action_mask"])
+            if ep["error"]:
+                family, counter = ERROR_KINDS[ep["error"][0]]
+                self.stats[counter] += 1
+                self.first_error.setdefault(family, ep["error"][1])
+        scores = [ep["score"] for ep in episodes]
+        screened = len(episodes) < self.n  # its first samples failed the filter: dropped without the others
+        if screened:
+            self.stats["screened"] += 1
+            self.stats["tokens_screened"] += group_tokens(episodes)
+        record.valid = not screened and self.filter.keep(scores)
+        self.finished.append(record)
+        return screened or self.filter.flat(scores)
+
+    def engine_died(self, record: StartedGroup) -> None:
+        """The record's engine is gone: it and the engine's other running groups restart elsewhere (their calls
+        would fail anyway)."""
+        moved = [record] + [r for r in self.pending.values() if r.engine == record.engine]
+        for task in [t for t, r in self.pending.items() if r.engine == record.engine]:
+            _discard(task)
+            del self.pending[task]
+        for r in moved:
+            r.state = State.REROUTE
+        self.reroute = sorted(self.reroute + moved, key=lambda r: r.index)
+        self.stats["rerouted"] += len(moved)
+
+    def fail(self, error: Optional[BaseException]) -> None:
+        self.failure = self.failure or error
+
+    def idle(self) -> bool:
+        return not self.pending and not self.reroute
+
+    def wanted(self) -> int:
+        """Groups the stop rule wants in flight now."""
+        return self.stop.wanted(self)
+
+    def selected(self) -> Optional[list]:
+        """The batch's groups once it is complete; None while it is not."""
+        return self.stop.selected(self)
+
+    def beyond_cut(self) -> dict:
+        """Groups that can no longer enter the batch (unbiased early stop: started after the target-th valid one).
+        Those waiting to reroute are dropped, counted as aborted; the running ones are returned (task -> record)
+        for the caller to abort."""
+        cut = self.stop.cut(self)
+        if cut is None:
+            return {}
+        self.stats["aborted"] += sum(1 for r in self.reroute if r.index > cut)
+        self.reroute = [r for r in self.reroute if r.index < cut]
+        return {task: r for task, r in self.pending.items() if r.index > cut}
+
+    def carry_out(self, chosen: list) -> list:
+        """The groups the next batch takes over: valid ones left out of this one, running ones, rerouted ones."""
+        surplus = [r for r in self.finished if r.valid and r not in chosen]
+        carried = surplus + list(self.pending.values()) + self.reroute
+        self.pending.clear()
+        return carried
+
+    def drop_reroutes(self) -> None:
+        self.stats["aborted"] += len(self.reroute)
+
+    def too_many_failures(self, min_episodes: int = 0) -> Optional[AgentFailureError]:
+        """An AgentFailureError once at least min_episodes have ended and too many of them failed in the agent
+        (or lost their reward)."""
+        episodes = self.stats["episodes"]
+        for family, ratio in self.error_ratios.items():
+            failed = self.stats[f"{family}_errors"] + self.stats[f"{family}_timeouts"]
+            if episodes >= min_episodes and failed > ratio * max(1, episodes):
+                what = "failed in the agent" if family == "agent" else "lost their reward"
+                return AgentFailureError(f"{failed} of {episodes} episodes {what} in this batch, above "
+                                         f"--{family}.max_error_ratio {ratio}; first error: {self.first_error[family]}")
+        return None
+
+    def hopeless(self) -> Optional[Exception]:
+        """An error to stop on when the batch cannot go well: agents failing above the allowed share over a
+        batch's worth of episodes, or so many groups finished without one valid that none is likely to come."""
+        failure = self.too_many_failures(min_episodes=self.target * self.n)
+        if failure is not None:
+            return failure
+        if len(self.finished) >= HOPELESS_GROUPS * self.target and not any(r.valid for r in self.finished):
+            return RuntimeError(f"none of {len(self.finished)} finished groups passed the dynamic-sampling filter "
+                                f"(all rewards equal within each group): check the reward and the labels, or relax "
+                                f"--algo.dynamic_filtering_rule / --algo.dynamic_filtering_enable")
+        return None
+
+    def metrics(self, chosen: list, carried_out: int, engine_failures: int, loads: list) -> dict:
+        stats, accepted_tokens = self.stats, sum(group_tokens(r.episodes) for r in chosen)
+        metrics = {
+            "rollout/groups_started": stats["started"],
+            "rollout/groups_finished": stats["finished"],
+            "rollout/groups_accepted": len(chosen),
+            "rollout/groups_filtered": sum(1 for r in self.records if r.valid is False),  # screened ones too
+            "rollout/groups_screened": stats["screened"],
+            "rollout/groups_aborted": stats["aborted"],
+            "rollout/groups_carried_in": self.carried_in,
+            "rollout/groups_carried_out": carried_out,
+            "rollout/tokens_generated": stats["tokens"],
+            "rollout/tokens_accepted": accepted_tokens,
+            "rollout/tokens_aborted": stats["tokens_aborted"],
+            "rollout/tokens_screened": stats["tokens_screened"],
+            "rollout/wasted_fraction": 1 - accepted_tokens / max(1, stats["tokens"]),
+            "rollout/time_to_batch_s": time.perf_counter() - self.start_time,
+            "rollout/engine_load_max": max(loads),
+            "rollout/engine_load_min": min(loads),
+            "rollout/agent_errors": stats["agent_errors"],
+            "rollout/agent_timeouts": stats["agent_timeouts"],
+            "rollout/reward_errors": stats["reward_errors"],
+            "rollout/reward_timeouts": stats["reward_timeouts"],
+            "rollout/engine_failures": engine_failures,
+            "rollout/groups_rerouted": stats["rerouted"],
+        }
+        for family, message in self.first_error.items():
+            metrics[f"rollout/{family}_first_error"] = message
+        return metrics
+
+
+def stop_rule(early_stop: bool, unbiased: bool, admission_margin: float, wave_size: int):
+    """The stop rule for these settings: a class taking the batch target, one instance per batch."""
+    if not early_stop:
+        return functools.partial(Waves, size=wave_size)
+    return functools.partial(UnbiasedEarlyStop if unbiased else EarlyStop, margin=admission_margin)
+
+
+class EarlyStop:
+    """The batch is the first `target` groups to finish valid."""
+
+    def __init__(self, target: int, margin: float = 0.0):
+        self.target, self.margin = target, margin
+
+    def wanted(self, batch: RolloutBatch) -> int:
+        """Groups in flight expected to yield the valid groups still missing, at the valid rate seen so far
+        (optimistic prior: one valid group). Starting more only buys speed with aborted tokens."""
+        valid = sum(1 for r in batch.finished if r.valid)
+        rate = (valid + 1) / (len(batch.finished) + 1)
+        return math.ceil(max(0, self.target - valid) / rate * (1 + self.margin))
+
+    def selected(self, batch: RolloutBatch) -> Optional[list]:
+        valid = [r for r in batch.finished if r.valid]
+        return valid[: self.target] if len(valid) >= self.target else None
+
+    def cut(self, batch: RolloutBatch) -> Optional[int]:
+        """The start index after which no group can enter the batch; None: any may."""
+        return None
+
+
+class UnbiasedEarlyStop(EarlyStop):
+    """The batch is a prefix of the start order, all finished, with `target` valid groups."""
+
+    def wanted(self, batch: RolloutBatch) -> int:
+        if sum(1 for r in batch.finished if r.valid) >= self.target:
+            return 0  # the batch will come from groups already started
+        return super().wanted(batch)
+
+    def selected(self, batch: RolloutBatch) -> Optional[list]:
+        valid = []
+        for r in batch.records:
+            if r.state is not State.FINISHED:
+                return None
+            if r.valid:
+                valid.append(r)
+                if len(valid) == self.target:
+                    return valid
+        return None
+
+    def cut(self, batch: RolloutBatch) -> Optional[int]:
+        valid = [r.index for r in batch.records if r.valid]
+        return valid[self.target - 1] if len(valid) >= self.target else None
+
+
+class Waves:
+    """No early stop: waves of `size` prompts (0: the target; DAPO uses 3x), each generated and waited for whole;
+    the batch is decided only between waves."""
+
+    def __init__(self, target: int, size: int = 0):
+        self.target, self.size = target, max(1, size or target)
+
+    def wanted(self, batch: RolloutBatch) -> int:
+        left = -batch.stats["started"] % self.size  # prompts still to start in the current wave
+        if not left and batch.idle():
+            left = self.size  # the wave is done and short of valid groups: start another
+        return len(batch.pending) + left
+
+    def selected(self, batch: RolloutBatch) -> Optional[list]:
+        if not batch.idle() or batch.stats["started"] % self.size:
+            return None
+        valid = [r for r in batch.records if r.valid]
+        return valid[: self.target] if len(valid) >= self.target else None
+
+    def cut(self, batch: RolloutBatch) -> Optional[int]:
+        return None
+
+
+async def awaited(call):
+    """A coroutine awaiting an engine call (a Ray ObjectRef or a future), for asyncio.wait and gather."""
+    return await call
+
+
+def _discard(task) -> None:
+    """Drop a group's task: cancel it, or, if it already ended, take its result so asyncio does not warn."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
