@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from openrlhf_async.cli.report import main
-from openrlhf_async.utils.report import write_report
+from openrlhf_async.trainer.report import write_report
 
 T0 = 1.7e9  # spans are time.time() seconds
 # matplotlib's tab: colours, as the report draws them: reward/generate, eval/train, sync, pass@k/eval, other kinds

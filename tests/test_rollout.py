@@ -165,12 +165,14 @@ def test_a_reward_source_chosen_per_call_scores_groups_on_a_shared_engine(engine
 
 
 def test_a_failing_group_releases_all_load(engines, stack_cfg, prompts):
+    from vllm.exceptions import VLLMValidationError
+
     too_long = {"prompt_ids": [3] * (stack_cfg.data.max_len + 10), "label": "1"}
     source = iter([prompts[0], too_long] + prompts[1:])
     cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 100},
                       algo={"dynamic_filtering_enable": False})
     controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
-    with pytest.raises(ValueError, match="(?i)length|long"):  # vLLM refuses the prompt
+    with pytest.raises(VLLMValidationError, match="(?i)length|long"):  # vLLM refuses the prompt
         controller.run(source.__next__, target=4)
     _assert_engines_idle(engines, controller)
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from openrlhf_async.utils.report import write_report
+from openrlhf_async.trainer.report import write_report
 
 
 def main(argv=None) -> int:

@@ -79,7 +79,7 @@ def _report(run_dir: str) -> list:
     """Draw the run's pictures (learning curves, actor timeline) and return their paths; a failure here must not
     fail a finished run."""
     from openrlhf_async.utils.metrics import one_line, warn
-    from openrlhf_async.utils.report import write_report
+    from openrlhf_async.trainer.report import write_report
 
     try:
         report = write_report(run_dir)
