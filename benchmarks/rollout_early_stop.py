@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
         return out
 
-    run("warm-up", dict(early_stop=True, carry_over=True), 1, 4)  # first requests pay one-off costs in vLLM
+    run("warm-up", dict(rollout={"early_stop": True}, carry_over=True), 1, 4)  # first requests pay one-off costs
     results = {name: run(name, settings, args.batches, args.target) for name, settings in methods.items()}
     ray.shutdown()
 
