@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         groups, metrics = controller.run(prompts.__next__, args.groups)
         wall = time.perf_counter() - start
-    steps = sum(ep["turns"] for g in groups for ep in g)
+    steps = sum(ep.turns for g in groups for ep in g)
     assert steps == args.groups * args.n * args.turns
     print(json.dumps({"episode_steps": steps, "episodes": args.groups * args.n, "wall_s": round(wall, 3),
                       "steps_per_s": round(steps / wall), "target_steps_per_s": 10000}))

@@ -29,6 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def action_ranges(mask: list) -> list:
+    """The model's turns in an episode's response: (start, end) of each run of 1s in its action mask (tests import
+    it: `from conftest import action_ranges`)."""
+    edges = [i for i in range(len(mask) + 1) if (mask[i - 1] if i else 0) != (mask[i] if i < len(mask) else 0)]
+    return list(zip(edges[::2], edges[1::2]))
+
+
 def unfinished(engine) -> dict:
     """Requests vLLM still tracks and requests the engine actor has in flight, read inside the actor
     (tests import it: `from conftest import unfinished`)."""

@@ -9,7 +9,7 @@ from openrlhf_async.reward.shaping import overlong_penalty
 from openrlhf_async.rollout.batch import AgentFailureError
 from openrlhf_async.rollout.controller import LoadBalancer, LocalHandle, RolloutController
 from openrlhf_async.rollout.engine import _engine_died
-from openrlhf_async.rollout.episode import empty_episode, run_group
+from openrlhf_async.rollout.episode import Episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
 
 
@@ -34,11 +34,10 @@ class FakeEngine:
             self.running.pop(group_id)
 
         async def episode(i):
-            ep = empty_episode(f"{group_id}-{i}", prompt_ids)
             tokens = label.get("tokens", 4) // (2 if aborted else 1)
-            ep.update(response_ids=[5] * tokens, logprobs=[-1.0] * tokens, action_mask=[1] * tokens,
-                      score=0.0 if aborted else float(label["scores"][i]), aborted=aborted, error=label.get("error"))
-            return ep
+            return Episode(f"{group_id}-{i}", list(prompt_ids), response_ids=[5] * tokens, logprobs=[-1.0] * tokens,
+                           action_mask=[1] * tokens, score=0.0 if aborted else float(label["scores"][i]),
+                           aborted=aborted, error=label.get("error"))
 
         return await run_group(episode, min(n, len(label["scores"])), screen, group_filter)
 
@@ -136,15 +135,15 @@ def test_screening_runs_the_rest_of_a_group_only_when_its_first_samples_vary():
             async def run():
                 started.append(i)
                 await asyncio.sleep(0.01)
-                return {**empty_episode(f"e{i}", [1]), "score": scores[i]}
+                return Episode(f"e{i}", [1], score=scores[i])
             return run()
         return episode
 
     flat = asyncio.run(run_group(episode_with([1.0] * 8), 8, screen=3))
-    assert [ep["score"] for ep in flat] == [1.0] * 3 and started == [0, 1, 2], "a flat screen must start no more"
+    assert [ep.score for ep in flat] == [1.0] * 3 and started == [0, 1, 2], "a flat screen must start no more"
     started.clear()
     varied = asyncio.run(run_group(episode_with([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), 8, screen=3))
-    assert len(varied) == 8 and started == list(range(8)) and [ep["score"] for ep in varied][2] == 1.0
+    assert len(varied) == 8 and started == list(range(8)) and [ep.score for ep in varied][2] == 1.0
     started.clear()
     # Screening decides on the fixed first samples: a later sample that differs does not rescue a flat screen.
     late = asyncio.run(run_group(episode_with([0.0] * 4 + [1.0] * 4), 8, screen=4))
@@ -160,7 +159,7 @@ def test_screened_groups_are_dropped_as_flat_counted_and_cost_only_their_first_s
     c = _controller([FakeEngine()], rollout=dict(n_samples_per_prompt=4, screen_samples=2),
                     on_group=lambda p, flat: flat_seen.append(flat))
     groups, m = c.run(_source(labels), target=3)
-    assert len(groups) == 3 and all(len(g) == 4 and keep_group([e["score"] for e in g]) for g in groups)
+    assert len(groups) == 3 and all(len(g) == 4 and keep_group([e.score for e in g]) for g in groups)
     assert m["rollout/groups_screened"] >= 2 and m["rollout/groups_filtered"] == m["rollout/groups_screened"]
     assert m["rollout/tokens_screened"] == m["rollout/groups_screened"] * 2 * 4, "a screened group costs 2 samples"
     assert m["rollout/tokens_generated"] == (m["rollout/tokens_accepted"] + m["rollout/tokens_screened"]
@@ -179,7 +178,7 @@ def test_screening_judges_the_first_samples_by_the_configured_filter_rule():
     screening = dict(n_samples_per_prompt=4, screen_samples=2)
     groups, m = _controller([FakeEngine()], rollout=screening, algo={"dynamic_filtering_rule": "mean_range"}).run(
         _source(labels), target=2)
-    assert [g[0]["score"] for g in groups] == [0.5, 0.5] and [len(g) for g in groups] == [4, 4]
+    assert [g[0].score for g in groups] == [0.5, 0.5] and [len(g) for g in groups] == [4, 4]
     assert m["rollout/groups_screened"] == 0
     _, std = _controller([FakeEngine()], rollout=screening).run(_source(labels), target=2)
     assert std["rollout/groups_screened"] == 2 and std["rollout/tokens_screened"] == 2 * 2 * 4
@@ -204,7 +203,7 @@ def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
     labels = [{"delay": 0.01, "scores": VALID}, {"delay": 0.01, "scores": FLAT}, {"delay": 0.02, "scores": VALID},
               {"delay": 0.03, "scores": VALID}] + [{"delay": 30, "scores": VALID} for _ in range(10)]
     groups, m = c.run(_source(labels), target=3)
-    assert len(groups) == 3 and all(keep_group([e["score"] for e in g]) for g in groups)
+    assert len(groups) == 3 and all(keep_group([e.score for e in g]) for g in groups)
     assert m["rollout/groups_accepted"] == 3 and m["rollout/groups_filtered"] == 1
     assert m["rollout/groups_aborted"] == m["rollout/groups_started"] - m["rollout/groups_finished"] > 0
     assert m["rollout/time_to_batch_s"] < 5, "waited for a group that should have been aborted"
@@ -242,8 +241,8 @@ def test_unbiased_early_stop_waits_for_long_groups_started_earlier():
               + [{"delay": 0.01, "scores": VALID} for _ in range(8)])
     biased, _ = _controller([FakeEngine()]).run(_source(labels), target=2)
     unbiased, _ = _controller([FakeEngine()], rollout=dict(unbiased_early_stop=True)).run(_source(labels), target=2)
-    assert all(len(g[0]["response_ids"]) == 4 for g in biased), "the biased rule should skip the long group"
-    assert len(unbiased[0][0]["response_ids"]) == 40, "the unbiased rule must keep the long group started first"
+    assert all(len(g[0].response_ids) == 4 for g in biased), "the biased rule should skip the long group"
+    assert len(unbiased[0][0].response_ids) == 40, "the unbiased rule must keep the long group started first"
 
 
 def test_without_early_stop_whole_waves_are_generated_and_waited_for():
@@ -283,7 +282,7 @@ def test_groups_of_an_engine_that_dies_restart_from_their_prompts_on_a_live_engi
     labels = [{"delay": 0.2, "scores": VALID} for _ in range(20)]
     groups, m = c.run(_source(labels), target=4)
     # Groups 1 and 3 were on the dying engine: they rerun on the live one, no new prompt replaces them.
-    assert sorted(g[0]["prompt_ids"][0] for g in groups) == [0, 1, 2, 3] and m["rollout/groups_started"] == 4
+    assert sorted(g[0].prompt_ids[0] for g in groups) == [0, 1, 2, 3] and m["rollout/groups_started"] == 4
     assert m["rollout/engine_failures"] == 1 and m["rollout/groups_rerouted"] == len(dying.started) == 2
     assert c.dead_engines == {1} and dying.calls_after_death == 0 and not dying.running
     assert dying.started == [1, 3] and live.started == [0, 2, 1, 3], "rerouted groups restart in start order"
@@ -354,7 +353,7 @@ def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
     (g1, m1), carried, (g2, m2) = asyncio.run(two_batches())
     assert m1["rollout/groups_aborted"] == 0 and carried == m1["rollout/groups_carried_out"] >= 2
     assert m2["rollout/groups_carried_in"] == carried
-    lengths = [len(g[0]["response_ids"]) for g in g2]
+    lengths = [len(g[0].response_ids) for g in g2]
     assert lengths == [40, 40], "the carried groups must run to the end and come first in the next batch"
     assert not engine.aborted
     stats = c.close()
@@ -380,8 +379,8 @@ def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted
     (_, m1), (g2, m2) = asyncio.run(two_batches())
     assert m1["rollout/engine_failures"] == 0 and m1["rollout/groups_carried_out"] >= 2
     assert m2["rollout/engine_failures"] == 1 and m2["rollout/groups_rerouted"] >= 1
-    assert [g[0]["prompt_ids"][0] for g in g2] == [2, 3], "the carried groups, rerun if need be, come first"
-    assert [len(g[0]["response_ids"]) for g in g2] == [40, 40]
+    assert [g[0].prompt_ids[0] for g in g2] == [2, 3], "the carried groups, rerun if need be, come first"
+    assert [len(g[0].response_ids) for g in g2] == [40, 40]
     c.close()
     assert c.balancer.loads == [0, 0] and dying.calls_after_death == 0 and not live.running
 
@@ -422,7 +421,7 @@ def test_the_generator_skips_flat_prompts_and_records_what_it_passed_over():
     progress, batches = StreamProgress(), []
     for _ in range(12):
         groups, metrics, used, flat = generator._batch(target_version=0)
-        assert [g[0]["prompt_ids"][0] % 2 for g in groups] == [0, 0]
+        assert [g[0].prompt_ids[0] % 2 for g in groups] == [0, 0]
         progress.add((p for p, _ in used), flat)
         batches.append((metrics, used, flat))
     used = [u for _, batch_used, _ in batches for u in batch_used]

@@ -53,10 +53,10 @@ def test_pause_keep_freezes_requests_and_resume_finishes_them(engines):
 
 def test_group_episodes_are_scored_and_complete(engines):
     episodes = ray.get(engines[0].generate_group.remote([3, 20, 21, 4], "7", 4, {}, "grp", 4))
-    assert len(episodes) == 4 and len({e["request_id"] for e in episodes}) == 4
+    assert len(episodes) == 4 and len({e.request_id for e in episodes}) == 4
     for e in episodes:
-        assert e["score"] in (0.0, 1.0) and e["error"] is None and e["turns"] == 1
-        assert len(e["logprobs"]) == len(e["response_ids"]) == len(e["action_mask"]) <= 4
+        assert e.score in (0.0, 1.0) and e.error is None and e.turns == 1
+        assert len(e.logprobs) == len(e.response_ids) == len(e.action_mask) <= 4
 
 
 def test_buckets_respect_size_and_dtype():

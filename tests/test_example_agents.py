@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import tokenized_prompts, unfinished
+from conftest import action_ranges, tokenized_prompts, unfinished
 from openrlhf_async.agent import load_agent
 from openrlhf_async.config import config_with
 from openrlhf_async.reward.math_verify_reward import math_score
@@ -124,13 +124,12 @@ def test_tool_episode_masks_the_code_output_and_keeps_the_models_logprobs(tool_a
     ep = asyncio.run(run_episode(generate, tool_agent, tokenizer, tokenizer.encode(PROMPT), "42", {}, budget=500,
                                  max_steps=4, step_timeout=30.0, request_id="r0"))
     observation = "\n```output\n42\n```\n"
-    assert ep["error"] is None and ep["turns"] == 2 and ep["score"] == 1.0
-    assert ep["extra_info"] == {"accuracy": 1.0, "pred": "42", "tool_calls": 1}
-    assert tokenizer.decode(ep["response_ids"]) == CODE + observation + "The output says \\boxed{42}."
+    assert ep.error is None and ep.turns == 2 and ep.score == 1.0
+    assert ep.extra_info == {"accuracy": 1.0, "pred": "42", "tool_calls": 1}
+    assert tokenizer.decode(ep.response_ids) == CODE + observation + "The output says \\boxed{42}."
     a, o = len(CODE), len(observation)
-    assert ep["action_mask"] == [1] * a + [0] * o + [1] * (len(ep["response_ids"]) - a - o)
-    assert ep["logprobs"] == [-0.5] * a + [0.0] * o + [-0.5] * (len(ep["response_ids"]) - a - o)
-    assert ep["action_ranges"] == [(0, a), (a + o, len(ep["response_ids"]))]
+    assert ep.action_mask == [1] * a + [0] * o + [1] * (len(ep.response_ids) - a - o)
+    assert ep.logprobs == [-0.5] * a + [0.0] * o + [-0.5] * (len(ep.response_ids) - a - o)
 
 
 # --- each file on the tiny model, through the real engines ---
@@ -161,9 +160,9 @@ def _rollout(engines, stack_cfg, prompts, agent_path):
     assert metrics["rollout/agent_errors"] == metrics["rollout/agent_timeouts"] == 0, metrics.get(
         "rollout/agent_first_error")
     for ep in episodes:
-        assert ep["error"] is None and not ep["aborted"] and ep["finish_reason"] in ("stop", "length")
-        assert len(ep["action_mask"]) == len(ep["logprobs"]) == len(ep["response_ids"]) > 0
-        assert ep["score"] in (0.0, 1.0)
+        assert ep.error is None and not ep.aborted and ep.finish_reason in ("stop", "length")
+        assert len(ep.action_mask) == len(ep.logprobs) == len(ep.response_ids) > 0
+        assert ep.score in (0.0, 1.0)
     return groups
 
 
@@ -173,11 +172,11 @@ def test_step_file_runs_on_the_engines_and_scores_the_models_answer(engines, sta
     labels = {tuple(p["prompt_ids"]): p["label"] for p in prompts}
     for ep in [e for g in groups for e in g]:
         # The tiny model writes no code: one turn, scored like the reference check on its own text.
-        assert ep["turns"] == 1 and ep["action_mask"] == [1] * len(ep["response_ids"])
-        answer = tokenizer.decode(ep["response_ids"], skip_special_tokens=True)
-        assert ep["score"] == ep["extra_info"]["accuracy"] == math_score(answer, labels[tuple(ep["prompt_ids"])])["score"]
+        assert ep.turns == 1 and ep.action_mask == [1] * len(ep.response_ids)
+        answer = tokenizer.decode(ep.response_ids, skip_special_tokens=True)
+        assert ep.score == ep.extra_info["accuracy"] == math_score(answer, labels[tuple(ep.prompt_ids)])["score"]
         if path == TOOL:
-            assert ep["extra_info"]["tool_calls"] == 0
+            assert ep.extra_info["tool_calls"] == 0
 
 
 def test_openrlhf_executor_file_runs_on_the_engines(engines, stack_cfg, prompts, tokenizer):
@@ -189,17 +188,17 @@ def test_openrlhf_executor_file_runs_on_the_engines(engines, stack_cfg, prompts,
     groups = _rollout(engines, stack_cfg, prompts, EXECUTOR)
     retried = 0
     for ep in [e for g in groups for e in g]:
-        assert ep["turns"] in (1, 2) and float(ep["extra_info"]["accuracy"]) == ep["score"]
-        (a0, a1), *retry = ep["action_ranges"]
+        assert ep.turns in (1, 2) and float(ep.extra_info["accuracy"]) == ep.score
+        (a0, a1), *retry = action_ranges(ep.action_mask)
         if retry:  # a wrong first answer: the feedback follows it, masked out, and the model answers again
             ((b0, b1),) = retry
-            assert ep["response_ids"][a1:b0] == feedback
-            assert ep["action_mask"] == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
+            assert ep.response_ids[a1:b0] == feedback
+            assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
             retried += 1
         else:
-            assert ep["score"] == 1.0 or ep["finish_reason"] == "length"
-        if labels[tuple(ep["prompt_ids"])] == "1000":
-            assert ep["score"] == 0.0
+            assert ep.score == 1.0 or ep.finish_reason == "length"
+        if labels[tuple(ep.prompt_ids)] == "1000":
+            assert ep.score == 0.0
     assert retried >= 2
 
 
@@ -226,8 +225,8 @@ async def step(state, action, label):
     observation = tokenizer.encode("\n```output\n42 2\n```\n", add_special_tokens=False)
     groups = _rollout(engines, stack_cfg, prompts, str(wrapper))
     for ep in [e for g in groups for e in g]:
-        (a0, a1), (b0, b1) = ep["action_ranges"]
-        assert ep["turns"] == 2 and ep["extra_info"]["tool_calls"] == 1 and "accuracy" in ep["extra_info"]
-        assert ep["response_ids"][a1:b0] == observation
-        assert ep["action_mask"] == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
-        assert all(lp == 0.0 for lp in ep["logprobs"][a1:b0]) and all(lp < 0 for lp in ep["logprobs"][b0:b1])
+        (a0, a1), (b0, b1) = action_ranges(ep.action_mask)
+        assert ep.turns == 2 and ep.extra_info["tool_calls"] == 1 and "accuracy" in ep.extra_info
+        assert ep.response_ids[a1:b0] == observation
+        assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
+        assert all(lp == 0.0 for lp in ep.logprobs[a1:b0]) and all(lp < 0 for lp in ep.logprobs[b0:b1])

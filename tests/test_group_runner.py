@@ -56,7 +56,7 @@ def test_agent_and_reward_source_are_chosen_per_call_and_loaded_once(tmp_path):
 
     async def group(group_id, **per_call):
         episodes = await runner.run(engine, list(b"Q:"), "7", 2, {}, group_id, 8, **per_call)
-        return [(ep["score"], ep["extra_info"].get("agent_reward")) for ep in episodes]
+        return [(ep.score, ep.extra_info.get("agent_reward")) for ep in episodes]
 
     async def main():
         return [await group("g0"), await group("g1", reward_source=reward), await group("g2"),

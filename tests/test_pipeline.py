@@ -11,6 +11,7 @@ import ray
 
 from conftest import tokenized_prompts, unfinished
 from openrlhf_async.rollout.batch import AgentFailureError
+from openrlhf_async.rollout.episode import Episode
 from openrlhf_async.trainer.pipeline import PPOTrainerAsync
 from openrlhf_async.trainer.staleness import StalenessPolicy
 
@@ -167,7 +168,7 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
     monkeypatch.setattr(pipeline, "_live_version", lambda engines: 0)
     cfg = _cfg(stack_cfg, "fully_async", steps=3, partial_rollout=True, trigger_parameter_sync_step=2)
     cfg.ckpt.save_steps = 0
-    episode = {"reward": 1.0, "token_versions": [0, 0], "action_mask": [1, 1]}
+    episode = Episode("r0", [1], response_ids=[2, 2], token_versions=[0, 0], action_mask=[1, 1], reward=1.0)
     batches = [{"index": i, "version": i // 2, "groups": [[episode] * 2], "used": [(i, i)], "flat": [], "spans": [],
                 "metrics": {"rollout/time_to_batch_s": 0.5, "rollout/tokens_generated": 10,
                             "rollout/stale_groups_dropped": 1}} for i in range(3)]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from openrlhf_async.reward.math_verify_reward import (MathVerifyPool, configure_math_verify, extract_answer,
-                                                      math_reward, math_score, math_verify)
+                                                      math_score, math_verify)
 from openrlhf_async.reward.sources import (RemoteReward, RewardError, RewardFileError, RewardTimeout,
                                            load_reward_func, make_reward)
 
@@ -31,8 +31,8 @@ HOSTILE = "\\boxed{9^{9^{9^{9^{9}}}}}"
     ("-3", "-3", 1.0),
     ("3", "-3", 0.0),
 ])
-def test_math_reward(completion, label, expected):
-    assert math_reward(completion, label) == expected
+def test_math_score(completion, label, expected):
+    assert math_score(completion, label)["score"] == expected
 
 
 @pytest.mark.parametrize("completion, label, pred, score", [

@@ -18,7 +18,7 @@ from openrlhf_async.data.prompts import load_prompts
 from openrlhf_async.reward.math_verify_reward import math_score
 from openrlhf_async.reward.sources import load_reward_func, parse_reward_output
 from openrlhf_async.rollout.controller import LocalHandle, RolloutController
-from openrlhf_async.rollout.episode import empty_episode, run_episode, run_executor_episode, run_group
+from openrlhf_async.rollout.episode import Episode, run_episode, run_executor_episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
 from openrlhf_async.rollout.group_runner import rescored
 from openrlhf_async.trainer.losses import group_advantages
@@ -143,22 +143,22 @@ def test_check_reward_takes_real_numbers_and_refuses_the_rest():
 def test_a_bad_reward_is_a_counted_reward_error_and_the_rollout_goes_on(source, bad, tmp_path):
     good, poisoned = _label(GOOD, source), _label([bad, 1.0, 0.0, 1.0], source)
     controller, groups, m = _run(_engine(source, tmp_path), [good, poisoned] * 4, target=2, n=4)
-    assert [[ep["reward"] for ep in g] for g in groups] == [[1.0, 0.5, 0.25, -1e6], [0.0, 1.0, 0.0, 1.0]]
-    assert all(type(ep["reward"]) is float and ep["error"] is None for ep in groups[0]), "its neighbours unaffected"
-    kind, message = groups[1][0]["error"]
-    assert kind == "reward_error" and [ep["error"] for ep in groups[1][1:]] == [None] * 3
+    assert [[ep.reward for ep in g] for g in groups] == [[1.0, 0.5, 0.25, -1e6], [0.0, 1.0, 0.0, 1.0]]
+    assert all(type(ep.reward) is float and ep.error is None for ep in groups[0]), "its neighbours unaffected"
+    kind, message = groups[1][0].error
+    assert kind == "reward_error" and [ep.error for ep in groups[1][1:]] == [None] * 3
     assert m["rollout/reward_errors"] == 1 and m["rollout/reward_first_error"] == message
     assert f"is {bad!r}; expected a" in message and "\n" not in message, message
     groups, m = controller.run(lambda: {"prompt_ids": list(PROMPT.encode()), "label": good}, 1)
-    assert m["rollout/reward_errors"] == 0 and [ep["reward"] for ep in groups[0]] == [1.0, 0.5, 0.25, -1e6]
+    assert m["rollout/reward_errors"] == 0 and [ep.reward for ep in groups[0]] == [1.0, 0.5, 0.25, -1e6]
 
 
 def test_the_reward_summed_over_turns_is_checked_too():
     label = {"turns": [[6e5, 6e5], [1.0]]}  # each turn's reward is fine; their sum is not
     _, (group,), m = _run(ScriptedEngine(), [label], target=1)
-    assert group[0]["error"] == ("reward_error", "RewardError: the reward summed over 2 turns is 1200000.0; "
+    assert group[0].error == ("reward_error", "RewardError: the reward summed over 2 turns is 1200000.0; "
                                                  "expected a finite number of size at most 1e+06")
-    assert [ep["score"] for ep in group] == [0.0, 1.0] and m["rollout/reward_errors"] == 1
+    assert [ep.score for ep in group] == [0.0, 1.0] and m["rollout/reward_errors"] == 1
 
 
 def test_an_executor_episode_reward_is_checked():
@@ -172,19 +172,19 @@ def test_an_executor_episode_reward_is_checked():
 
     for reward, score in [(torch.tensor(0.5), 0.5), (torch.tensor([0.5]), 0.5), (1, 1.0), (None, 0.0)]:
         ep = episode(reward)
-        assert ep["error"] is None and ep["score"] == score and type(ep["score"]) is float
+        assert ep.error is None and ep.score == score and type(ep.score) is float
     for reward in BAD[:-1]:  # None: the executor left the reward to a reward source, 0 until then
         ep = episode(reward)
-        assert ep["score"] == 0.0 and ep["error"][0] == "reward_error" and ep["response_ids"] == [3, 4]
-        assert f"is {reward!r}; expected a" in ep["error"][1]
+        assert ep.score == 0.0 and ep.error[0] == "reward_error" and ep.response_ids == [3, 4]
+        assert f"is {reward!r}; expected a" in ep.error[1]
 
 
 class RawScoreEngine:
     """An engine that hands back whatever scores its label lists, unchecked."""
 
     async def generate_group(self, prompt_ids, label, n, *args):
-        return [{**empty_episode(f"e{i}", prompt_ids), "score": s, "response_ids": [1], "action_mask": [1],
-                 "logprobs": [-1.0]} for i, s in enumerate(label)]
+        return [Episode(f"e{i}", list(prompt_ids), response_ids=[1], logprobs=[-1.0], action_mask=[1], score=s)
+                for i, s in enumerate(label)]
 
     async def abort_groups(self, group_ids):
         return 0
@@ -193,7 +193,7 @@ class RawScoreEngine:
 def test_the_controller_refuses_a_bad_score_from_any_engine_before_the_filter():
     labels = [[1e160, 0.0], [0.0, 1.0], [math.nan, 1.0], [math.inf, 2.0]]
     _, groups, m = _run(RawScoreEngine(), labels, target=4, algo={"dynamic_filtering_enable": False})
-    assert [[ep["reward"] for ep in g] for g in groups] == [[0.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 2.0]]
+    assert [[ep.reward for ep in g] for g in groups] == [[0.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 2.0]]
     assert m["rollout/reward_errors"] == 3 and m["rollout/reward_first_error"].startswith("RewardError: the episode")
     _, groups, m = _run(RawScoreEngine(), labels, target=3, wave_size=4)  # std filter: no OverflowError
     assert len(groups) == 3 and m["rollout/groups_filtered"] == 1 and m["rollout/reward_errors"] == 3
@@ -232,6 +232,6 @@ def test_a_huge_observation_is_cut_before_it_is_tokenised():
         tokenizer = ByteTokenizer()
         ep = asyncio.run(run_episode(scripted_generate, Flood(), tokenizer, list(PROMPT.encode()), observation, {},
                                      budget, max_steps=2, step_timeout=5.0, request_id="g0-0"))
-        assert tokenizer.decode(ep["response_ids"]) == response and ep["error"] is None
-        assert ep["action_mask"][:5] == [1, 1, 1, 1, 0]
+        assert tokenizer.decode(ep.response_ids) == response and ep.error is None
+        assert ep.action_mask[:5] == [1, 1, 1, 1, 0]
         assert max(tokenizer.encoded) < 100_000, "the observation was tokenised whole"

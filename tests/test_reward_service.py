@@ -396,13 +396,13 @@ def test_an_engine_scores_episodes_with_the_service_and_counts_its_outage(ray_cl
         controller = RolloutController(cfg, [engine])
         groups, m = controller.run(iter(prompts).__next__, target=4)
         for ep in (ep for g in groups for ep in g):
-            text = tokenizer.decode(ep["prompt_ids"] + ep["response_ids"])
-            assert ep["score"] == len(text) % 2 and ep["extra_info"]["agent_reward"] in (0.0, 1.0)
+            text = tokenizer.decode(ep.prompt_ids + ep.response_ids)
+            assert ep.score == len(text) % 2 and ep.extra_info["agent_reward"] in (0.0, 1.0)
         assert m["rollout/reward_errors"] == 0
         _kill(proc)
         controller = RolloutController(config_with(cfg, reward={"max_error_ratio": 1.0}), [engine])
         groups, m = controller.run(iter(prompts).__next__, target=4)
-        assert m["rollout/reward_errors"] == 16 and all(ep["score"] == 0.0 for g in groups for ep in g)
+        assert m["rollout/reward_errors"] == 16 and all(ep.score == 0.0 for g in groups for ep in g)
         assert "RewardError" in m["rollout/reward_first_error"]
     finally:
         if proc.poll() is None:

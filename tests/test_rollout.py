@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import ray
 
-from conftest import tokenized_prompts, unfinished
+from conftest import action_ranges, tokenized_prompts, unfinished
 from openrlhf_async.config import config_with
 from openrlhf_async.rollout.controller import RolloutController
 
@@ -55,7 +55,7 @@ def test_early_stop_aborts_in_flight_requests_and_leaves_none_running(engines, s
     cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 4, "max_new_tokens": 200}, agent={"func_path": agent})
     controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
     groups, m = controller.run(source.__next__, target=2)
-    assert len(groups) == 2 and all(len(e["response_ids"]) == 8 for g in groups for e in g)
+    assert len(groups) == 2 and all(len(e.response_ids) == 8 for g in groups for e in g)
     assert m["rollout/groups_filtered"] >= 2 and m["rollout/groups_aborted"] >= 2
     assert 0 < m["rollout/tokens_aborted"] < 2 * 4 * 200, "aborted requests ran to the end"
     _assert_engines_idle(engines, controller)
@@ -76,7 +76,7 @@ def test_screening_stops_flat_groups_after_their_first_samples(engines, stack_cf
                       agent={"func_path": agent})
     controller = RolloutController(cfg, engines, sampling={"temperature": 1.0, "ignore_eos": True})
     groups, m = controller.run(source.__next__, target=3)
-    assert len(groups) == 3 and all(len(g) == 4 and sorted(e["score"] for e in g) == [0, 0, 1, 1] for g in groups)
+    assert len(groups) == 3 and all(len(g) == 4 and sorted(e.score for e in g) == [0, 0, 1, 1] for g in groups)
     assert m["rollout/groups_screened"] >= 1 and m["rollout/groups_filtered"] == m["rollout/groups_screened"]
     # A screened group ran 2 of its 4 requests (8 tokens each: EOS is ignored), never the other two.
     assert m["rollout/tokens_screened"] == m["rollout/groups_screened"] * 2 * 8
@@ -101,16 +101,16 @@ def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engi
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     feedback = tokenizer.encode(" [obs] ", add_special_tokens=False)
     for ep in [e for g in groups for e in g]:
-        (a0, a1), (b0, b1) = ep["action_ranges"]
-        assert ep["turns"] == 2 and ep["score"] == 1.0 and a0 == 0 and b1 == len(ep["response_ids"])
-        assert ep["response_ids"][a1:b0] == feedback, "the observation was not appended as its own tokens"
-        assert ep["action_mask"] == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
-        assert all(lp == 0.0 for lp in ep["logprobs"][a1:b0])
-        model_logprobs = ep["logprobs"][a0:a1] + ep["logprobs"][b0:b1]
+        (a0, a1), (b0, b1) = action_ranges(ep.action_mask)
+        assert ep.turns == 2 and ep.score == 1.0 and a0 == 0 and b1 == len(ep.response_ids)
+        assert ep.response_ids[a1:b0] == feedback, "the observation was not appended as its own tokens"
+        assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
+        assert all(lp == 0.0 for lp in ep.logprobs[a1:b0])
+        model_logprobs = ep.logprobs[a0:a1] + ep.logprobs[b0:b1]
         assert len(model_logprobs) == a1 + b1 - b0 and all(lp < 0 for lp in model_logprobs)
         # Token in, token out: the agent saw the decoded turns, and the second turn continued the exact tokens.
-        first_action = tokenizer.decode(ep["response_ids"][a0:a1], skip_special_tokens=True)
-        assert ep["extra_info"]["state"].endswith(first_action + " [obs] ")
+        first_action = tokenizer.decode(ep.response_ids[a0:a1], skip_special_tokens=True)
+        assert ep.extra_info["state"].endswith(first_action + " [obs] ")
     _assert_engines_idle(engines, controller)
 
 
@@ -136,8 +136,8 @@ def test_agent_step_errors_and_timeouts_are_contained_and_counted(engines, stack
     episodes = [e for g in groups for e in g]
     assert m["rollout/agent_errors"] > 0 and m["rollout/agent_timeouts"] > 0
     assert m["rollout/agent_first_error"] == "ValueError: tool crashed"
-    assert all(e["score"] == 0.0 for e in episodes if e["error"])
-    assert any(not e["error"] for e in episodes)
+    assert all(e.score == 0.0 for e in episodes if e.error)
+    assert any(not e.error for e in episodes)
     _assert_engines_idle(engines, controller)
 
 
@@ -156,11 +156,11 @@ def test_a_reward_source_chosen_per_call_scores_groups_on_a_shared_engine(engine
                            engine.generate_group.remote(*args, "run-reward", 16)])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     for ep in scored:  # the whole text scored by the file; the built-in math agent's reward kept aside
-        text = tokenizer.decode(ep["prompt_ids"] + ep["response_ids"])
-        assert ep["error"] is None and ep["score"] == len(text) % 2 and ep["extra_info"]["agent_reward"] in (0, 1)
+        text = tokenizer.decode(ep.prompt_ids + ep.response_ids)
+        assert ep.error is None and ep.score == len(text) % 2 and ep.extra_info["agent_reward"] in (0, 1)
     for ep in own:  # the session's engines have no reward source: the agent's reward stands
-        assert ep["error"] is None and "agent_reward" not in ep["extra_info"]
-        assert ep["score"] == ep["extra_info"]["accuracy"]
+        assert ep.error is None and "agent_reward" not in ep.extra_info
+        assert ep.score == ep.extra_info["accuracy"]
     assert unfinished(engine) == {"vllm": 0, "actor": 0}
 
 
@@ -182,7 +182,7 @@ def test_groups_start_in_prompt_order(engines, stack_cfg, prompts):
                       algo={"dynamic_filtering_enable": False})
     controller = RolloutController(cfg, engines)
     groups, _ = controller.run(_source(prompts), target=3)
-    assert [g[0]["prompt_ids"] for g in groups] == [p["prompt_ids"] for p in prompts[:3]]
+    assert [g[0].prompt_ids for g in groups] == [p["prompt_ids"] for p in prompts[:3]]
 
 
 def test_openrlhf_agent_executor_file_runs_unchanged(engines, stack_cfg, prompts, tmp_path):
@@ -221,6 +221,6 @@ def test_openrlhf_agent_executor_file_runs_unchanged(engines, stack_cfg, prompts
     controller = RolloutController(cfg, engines, sampling={"temperature": 1.0})
     groups, _ = controller.run(_source(prompts), target=2)
     for ep in [e for g in groups for e in g]:
-        assert ep["error"] is None and ep["score"] == 1.0 and ep["turns"] == 2
-        assert 0 in ep["action_mask"] and len(ep["action_mask"]) == len(ep["response_ids"]) == len(ep["logprobs"])
+        assert ep.error is None and ep.score == 1.0 and ep.turns == 2
+        assert 0 in ep.action_mask and len(ep.action_mask) == len(ep.response_ids) == len(ep.logprobs)
     _assert_engines_idle(engines, controller)

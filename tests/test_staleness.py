@@ -4,12 +4,13 @@ as pure logic."""
 import pytest
 
 from openrlhf_async.config import Config
+from openrlhf_async.rollout.episode import Episode
 from openrlhf_async.trainer.staleness import StalenessPolicy, oldest_version, version_report
 
 
 def _episode(versions, mask=None):
     mask = mask or [1] * len(versions)
-    return {"token_versions": versions, "action_mask": mask}
+    return Episode("r0", [1], response_ids=[2] * len(versions), token_versions=versions, action_mask=mask)
 
 
 def _policy(mode, queue=1, threshold=0.0, trigger=1, require=1, max_staleness=-1, partial=False):

@@ -135,10 +135,6 @@ def math_score(completion: str, label) -> dict:
     return _result(bool(parsed) and verify(gold, parsed, timeout_seconds=_SIGNAL_TIMEOUT), pred)
 
 
-def math_reward(completion: str, label) -> float:
-    return math_score(completion, label)["score"]
-
-
 def _exit_with_parent(parent_pid: int):
     while os.getppid() == parent_pid:
         time.sleep(1.0)

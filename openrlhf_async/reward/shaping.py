@@ -11,11 +11,11 @@ def overlong_penalty(length: int, budget: int, buffer: int, factor: float) -> fl
 
 
 def shape_rewards(group: list, budget: int, buffer: int, factor: float) -> None:
-    """Set each episode's "reward": its score plus overlong shaping. Whatever scored it, a score that is no valid
+    """Set each episode's reward: its score plus overlong shaping. Whatever scored it, a score that is no valid
     reward becomes 0 and a reward error first, so it reaches neither the filter nor the trainer."""
     for ep in group:
         try:
-            check_reward(ep["score"], "the episode's score")
+            check_reward(ep.score, "the episode's score")
         except RewardError as e:
-            ep.update(score=0.0, error=ep["error"] or ("reward_error", f"{type(e).__name__}: {e}"))
-        ep["reward"] = ep["score"] + overlong_penalty(len(ep["response_ids"]), budget, buffer, factor)
+            ep.score, ep.error = 0.0, ep.error or ("reward_error", f"{type(e).__name__}: {e}")
+        ep.reward = ep.score + overlong_penalty(len(ep.response_ids), budget, buffer, factor)

@@ -52,7 +52,7 @@ class StartedGroup:
 
 def group_tokens(episodes: list) -> int:
     """Tokens the model generated for a group's episodes (observation tokens left out)."""
-    return sum(sum(ep["action_mask"]) for ep in episodes)
+    return sum(sum(ep.action_mask) for ep in episodes)
 
 
 class RolloutBatch:
@@ -100,12 +100,12 @@ class RolloutBatch:
         self.stats["finished"] += 1
         for ep in episodes:
             self.stats["episodes"] += 1
-            self.stats["tokens"] += sum(ep["action_mask"])
-            if ep["error"]:
-                family, counter = ERROR_KINDS[ep["error"][0]]
+            self.stats["tokens"] += sum(ep.action_mask)
+            if ep.error:
+                family, counter = ERROR_KINDS[ep.error[0]]
                 self.stats[counter] += 1
-                self.first_error.setdefault(family, ep["error"][1])
-        scores = [ep["score"] for ep in episodes]
+                self.first_error.setdefault(family, ep.error[1])
+        scores = [ep.score for ep in episodes]
         screened = len(episodes) < self.n  # its first samples failed the filter: dropped without the others
         if screened:
             self.stats["screened"] += 1

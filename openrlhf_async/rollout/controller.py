@@ -114,7 +114,7 @@ class RolloutController:
     def run(self, next_prompt: Callable[[], dict], target: int) -> tuple:
         """Collect `target` valid groups. next_prompt() -> {"prompt_ids", "label"} (and optionally "budget": the
         group's token budget, or one per sample) is called once per started group, in order.
-        Returns (groups, metrics); each episode carries "reward" (score plus shaping)."""
+        Returns (groups, metrics); each episode's reward is set (score plus shaping)."""
         return asyncio.run(self.run_async(next_prompt, target))
 
     async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:

@@ -7,6 +7,8 @@ was generated with (an observation token takes the version of the action before 
 outlived a weight sync shows both versions."""
 
 import asyncio
+from dataclasses import dataclass, field
+from typing import Optional
 
 from openrlhf_async.reward.sources import RewardError, RewardTimeout, check_reward
 from openrlhf_async.rollout.filter import GroupFilter
@@ -25,7 +27,7 @@ async def run_group(episode, n: int, screen: int = 0, group_filter: GroupFilter 
     if not 0 < screen < n:
         return list(await asyncio.gather(*(episode(i) for i in range(n))))
     first = list(await asyncio.gather(*(episode(i) for i in range(screen))))
-    if any(ep["aborted"] for ep in first) or not group_filter.keep([ep["score"] for ep in first]):
+    if any(ep.aborted for ep in first) or not group_filter.keep([ep.score for ep in first]):
         return first
     return first + list(await asyncio.gather(*(episode(i) for i in range(screen, n))))
 
@@ -34,72 +36,83 @@ class EpisodeAborted(Exception):
     """The episode's group was aborted (early stop) before or while it generated."""
 
 
-def empty_episode(request_id: str, prompt_ids: list) -> dict:
-    return {"request_id": request_id, "prompt_ids": list(prompt_ids), "response_ids": [], "logprobs": [],
-            "action_mask": [], "action_ranges": [], "token_versions": [], "finish_reason": None, "score": 0.0,
-            "turns": 0, "error": None, "aborted": False, "extra_info": {}}
+@dataclass
+class Episode:
+    """One agent episode's record, from the engine to the trainer. The response holds the model's tokens and the
+    observations' alike; logprobs, action_mask and token_versions have one entry per response token."""
+    request_id: str
+    prompt_ids: list
+    response_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # the rollout's logprob per token, 0.0 for observation tokens
+    action_mask: list = field(default_factory=list)  # 1: the model wrote the token, 0: the environment did
+    token_versions: list = field(default_factory=list)  # the weight version each token was generated with
+    finish_reason: Optional[str] = None  # vLLM's for the last generation ("stop", "length", "abort"), or "length"
+    score: float = 0.0  # the agent's step rewards summed, or the reward source's score; 0.0 after an error
+    reward: Optional[float] = None  # what the trainer sees: score plus overlong shaping (set by shape_rewards)
+    turns: int = 0  # generations made
+    error: Optional[tuple] = None  # (kind, message); kind is a key of batch.ERROR_KINDS
+    aborted: bool = False  # its group was aborted (early stop) while it ran
+    extra_info: dict = field(default_factory=dict)  # the agent's or reward source's extra figures (e.g. accuracy)
 
 
-def _append_action(ep: dict, out: dict) -> None:
-    start = len(ep["response_ids"])
-    ep["response_ids"] += out["response_ids"]
-    ep["logprobs"] += out["logprobs"]
-    ep["action_mask"] += [1] * len(out["response_ids"])
-    ep["action_ranges"].append((start, len(ep["response_ids"])))
-    ep["token_versions"] += out["token_versions"]
-    ep["finish_reason"] = out["finish_reason"]
-    ep["turns"] += 1
+def _append_action(ep: Episode, out: dict) -> None:
+    ep.response_ids += out["response_ids"]
+    ep.logprobs += out["logprobs"]
+    ep.action_mask += [1] * len(out["response_ids"])
+    ep.token_versions += out["token_versions"]
+    ep.finish_reason = out["finish_reason"]
+    ep.turns += 1
 
 
 async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampling: dict, budget: int,
-                      max_steps: int, step_timeout: float, request_id: str) -> dict:
+                      max_steps: int, step_timeout: float, request_id: str) -> Episode:
     """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "token_versions", "finish_reason"}.
     budget: response tokens (the model's and the observations') an episode may use in all."""
-    ep = empty_episode(request_id, prompt_ids)
+    ep = Episode(request_id, list(prompt_ids))
     state = tokenizer.decode(prompt_ids)
     while True:
-        remaining = budget - len(ep["response_ids"])
+        remaining = budget - len(ep.response_ids)
         if remaining <= 0:
-            ep["finish_reason"] = "length"
+            ep.finish_reason = "length"
             break
-        out = await generate(ep["prompt_ids"] + ep["response_ids"], {**sampling, "max_tokens": remaining},
-                             f"{request_id}-t{ep['turns']}")
+        out = await generate(ep.prompt_ids + ep.response_ids, {**sampling, "max_tokens": remaining},
+                             f"{request_id}-t{ep.turns}")
         _append_action(ep, out)
         if out["finish_reason"] == "abort":
-            ep["aborted"] = True
+            ep.aborted = True
             break
         action = tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         try:
             result = await agent.step(state, action, label, step_timeout)
-            score = check_reward(ep["score"] + check_reward(result.reward, f"turn {ep['turns']} reward"),
-                                 f"the reward summed over {ep['turns']} turns")
+            score = check_reward(ep.score + check_reward(result.reward, f"turn {ep.turns} reward"),
+                                 f"the reward summed over {ep.turns} turns")
         except RewardTimeout as e:  # the step's reward call (e.g. the built-in math-verify) ran out of time
-            ep["error"] = ("reward_timeout", f"{type(e).__name__}: {e}")
+            ep.error = ("reward_timeout", f"{type(e).__name__}: {e}")
         except RewardError as e:
-            ep["error"] = ("reward_error", f"{type(e).__name__}: {e}")
+            ep.error = ("reward_error", f"{type(e).__name__}: {e}")
         except (asyncio.TimeoutError, TimeoutError):
-            ep["error"] = ("timeout", f"agent step timed out after {step_timeout:g} s")
+            ep.error = ("timeout", f"agent step timed out after {step_timeout:g} s")
         except Exception as e:  # the user's code: contain it, count it, keep the run going
-            ep["error"] = ("error", f"{type(e).__name__}: {e}")
-        if ep["error"]:
-            ep["score"] = 0.0
+            ep.error = ("error", f"{type(e).__name__}: {e}")
+        if ep.error:
+            ep.score = 0.0
             break
-        ep["score"] = score
-        ep["extra_info"] = result.extra_info
-        if result.done or ep["turns"] >= max_steps:
+        ep.score = score
+        ep.extra_info = result.extra_info
+        if result.done or ep.turns >= max_steps:
             break
         prefix = state + action
         if not result.next_state.startswith(prefix):
-            ep["error"] = ("error", "AgentStepError: next_state must be state + action + observation")
-            ep["score"] = 0.0
+            ep.error = ("error", "AgentStepError: next_state must be state + action + observation")
+            ep.score = 0.0
             break
-        remaining = budget - len(ep["response_ids"])
+        remaining = budget - len(ep.response_ids)
         text = result.next_state[len(prefix) : len(prefix) + remaining * OBSERVATION_CHARS_PER_TOKEN]
         observation = tokenizer.encode(text, add_special_tokens=False)[:remaining]
-        ep["response_ids"] += observation
-        ep["logprobs"] += [0.0] * len(observation)
-        ep["action_mask"] += [0] * len(observation)
-        ep["token_versions"] += ep["token_versions"][-1:] * len(observation)
+        ep.response_ids += observation
+        ep.logprobs += [0.0] * len(observation)
+        ep.action_mask += [0] * len(observation)
+        ep.token_versions += ep.token_versions[-1:] * len(observation)
         state = result.next_state
     return ep
 
@@ -122,18 +135,18 @@ class EngineAdapter:
 
 
 async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, label, sampling_params,
-                               budget: int, request_id: str) -> dict:
+                               budget: int, request_id: str) -> Episode:
     """An OpenRLHF 0.11 AgentExecutor episode, converted to this project's episode record."""
-    ep = empty_episode(request_id, prompt_ids)
+    ep = Episode(request_id, list(prompt_ids))
     engine = EngineAdapter(request, request_id)
     prompt = tokenizer.decode(prompt_ids)
     try:
         out = await agent.executor.execute(prompt, label, sampling_params, len(prompt_ids) + budget, tokenizer, engine)
     except EpisodeAborted:
-        ep.update(aborted=True, finish_reason="abort", turns=len(engine.calls))
+        ep.aborted, ep.finish_reason, ep.turns = True, "abort", len(engine.calls)
         return ep
     except Exception as e:
-        ep.update(error=("error", f"{type(e).__name__}: {e}"), turns=len(engine.calls))
+        ep.error, ep.turns = ("error", f"{type(e).__name__}: {e}"), len(engine.calls)
         return ep
     tokens, ranges = list(out["observation_tokens"]), [tuple(r) for r in out["action_ranges"]]
     start = ranges[0][0] if ranges else len(tokens)
@@ -151,9 +164,7 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
         score, error = (0.0 if reward is None else check_reward(reward, "the executor's reward")), None
     except RewardError as e:
         score, error = 0.0, ("reward_error", f"{type(e).__name__}: {e}")
-    ep.update(prompt_ids=tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
-              action_mask=mask, action_ranges=[(a - start, b - start) for a, b in ranges],
-              token_versions=versions, turns=len(engine.calls),
-              finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
-              score=score, error=error, extra_info=dict(out.get("extra_logs") or {}))
-    return ep
+    return Episode(request_id, tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
+                   action_mask=mask, token_versions=versions, turns=len(engine.calls),
+                   finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
+                   score=score, error=error, extra_info=dict(out.get("extra_logs") or {}))

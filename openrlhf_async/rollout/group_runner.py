@@ -8,7 +8,7 @@ AgentExecutor files)."""
 
 import asyncio
 
-from openrlhf_async.rollout.episode import run_episode, run_executor_episode, run_group
+from openrlhf_async.rollout.episode import Episode, run_episode, run_executor_episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
 
 
@@ -73,21 +73,21 @@ class GroupRunner:
         return await run_group(episode, n, screen, group_filter)
 
 
-async def rescored(episode, reward, tokenizer, prompt_text: str, label) -> dict:
+async def rescored(episode, reward, tokenizer, prompt_text: str, label) -> Episode:
     """Run an episode, then score it with a reward source (reward_func file or service) on its whole text, as
     OpenRLHF does; the agent's own reward is kept in extra_info. A failed reward scores 0, counted."""
     from openrlhf_async.reward.sources import RewardTimeout
 
     ep = await episode
-    if ep["aborted"] or ep["error"]:
+    if ep.aborted or ep.error:
         return ep
-    query = tokenizer.decode(ep["prompt_ids"] + ep["response_ids"])
+    query = tokenizer.decode(ep.prompt_ids + ep.response_ids)
     try:
         (result,) = await reward.score([query], [prompt_text], [label])
     except Exception as e:  # the user's reward code or a remote service: contain it, count it
         kind = "reward_timeout" if isinstance(e, (RewardTimeout, asyncio.TimeoutError)) else "reward_error"
-        ep.update(score=0.0, error=(kind, f"{type(e).__name__}: {e}"))
+        ep.score, ep.error = 0.0, (kind, f"{type(e).__name__}: {e}")
         return ep
-    ep["extra_info"] = {**ep["extra_info"], **result["extra"], "agent_reward": ep["score"]}
-    ep["score"] = result["reward"]
+    ep.extra_info = {**ep.extra_info, **result["extra"], "agent_reward": ep.score}
+    ep.score = result["reward"]
     return ep

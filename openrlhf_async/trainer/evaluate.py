@@ -18,7 +18,7 @@ def evaluate(cfg, engines: list, eval_prompts: list):
     controller = RolloutController(settings, engines,
                                    sampling={"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p})
     groups, _ = controller.run(iter(eval_prompts).__next__, len(eval_prompts))
-    return eval_scores([[float(ep["extra_info"].get("accuracy", ep["score"] > 0)) for ep in g] for g in groups])
+    return eval_scores([[float(ep.extra_info.get("accuracy", ep.score > 0)) for ep in g] for g in groups])
 
 
 def eval_scores(correct: list) -> dict:

@@ -33,6 +33,13 @@ def _merge_rollout_metrics(into: dict, new: dict) -> None:
         into[key] = into[key] + value if key.startswith(_COUNTERS) and key in into else value
 
 
+def training_sample(episode, advantage: float) -> dict:
+    """What the policy ranks train on from an episode: its tokens, which of them the model wrote, their rollout
+    logprobs, and the episode's advantage."""
+    return {"prompt_ids": episode.prompt_ids, "response_ids": episode.response_ids, "logprobs": episode.logprobs,
+            "action_mask": episode.action_mask, "advantage": advantage}
+
+
 def _put(queue, item, stopped: threading.Event) -> bool:
     """Block until the queue takes the item; False if asked to stop meanwhile."""
     from ray.util.queue import Full
@@ -237,10 +244,11 @@ class TrainingActor:
             if self.stand_in_train_s is not None:
                 time.sleep(self.stand_in_train_s)
             else:
-                rewards = torch.tensor([[s["reward"] for s in g] for g in groups])
+                rewards = torch.tensor([[ep.reward for ep in g] for g in groups])
                 advantages = group_advantages(rewards, self.cfg.algo.advantage_estimator,
                                               self.cfg.algo.advantage_no_std_norm)
-                samples = [{**s, "advantage": a} for g, adv in zip(groups, advantages) for s, a in zip(g, adv.tolist())]
+                samples = [training_sample(ep, a) for g, adv in zip(groups, advantages)
+                           for ep, a in zip(g, adv.tolist())]
                 stats = self.policy.train_step(samples, self.cfg.train.micro_batch_size, loss_settings(self.cfg))
                 metrics = {"reward/mean": rewards.mean().item(),
                            "rollout/response_len_mean": sum(sum(s["action_mask"]) for s in samples) / len(samples),

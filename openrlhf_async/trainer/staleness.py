@@ -62,8 +62,8 @@ class StalenessPolicy:
         return oldest is None or version - oldest <= self.limit
 
 
-def _model_versions(episode: dict) -> list:
-    return [v for v, m in zip(episode["token_versions"], episode["action_mask"]) if m]
+def _model_versions(episode) -> list:
+    return [v for v, m in zip(episode.token_versions, episode.action_mask) if m]
 
 
 def oldest_version(group: list):
