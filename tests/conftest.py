@@ -95,3 +95,17 @@ def weight_sync(engines, policy, stack_cfg):
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     return WeightSync(policy, engines, stack_cfg)
+
+
+@pytest.fixture
+def restore_weights(policy, tmp_path_factory, request):
+    """For a test that trains the shared policy (and syncs it to the shared engines): both get back the weights
+    they had before it, so no later test depends on which ran first."""
+    import ray
+
+    path = str(tmp_path_factory.mktemp("shared-weights"))
+    ray.get(policy.call("save_checkpoint", path))
+    yield
+    ray.get(policy.call("load_checkpoint", path))
+    if "weight_sync" in request.fixturenames:
+        request.getfixturevalue("weight_sync").sync()

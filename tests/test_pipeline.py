@@ -59,8 +59,8 @@ def _run(cfg, engines, policy, weight_sync, prompts, **kwargs):
     ("fully_async", {"partial_rollout": True, "require_batches": 2, "trigger_parameter_sync_step": 1},
      {"screen_samples": 2}),
 ])
-def test_each_mode_trains_within_its_staleness_limit(mode, train, rollout, engines, policy, weight_sync, prompts,
-                                                     stack_cfg):
+def test_each_mode_trains_within_its_staleness_limit(restore_weights, mode, train, rollout, engines, policy, weight_sync,
+                                                     prompts, stack_cfg):
     cfg = _cfg(stack_cfg, mode, rollout=rollout, **train)
     first = min(ray.get([e.get_weight_version.remote() for e in engines]))
     limit = StalenessPolicy.from_config(cfg).limit
@@ -91,7 +91,7 @@ def test_each_mode_trains_within_its_staleness_limit(mode, train, rollout, engin
         assert unfinished(engine) == {"vllm": 0, "actor": 0}
 
 
-def test_the_queue_bound_holds_a_fast_generator_back(engines, policy, weight_sync, prompts, stack_cfg):
+def test_the_queue_bound_holds_a_fast_generator_back(restore_weights, engines, policy, weight_sync, prompts, stack_cfg):
     cfg = _cfg(stack_cfg, "async", steps=4, async_queue_size=1)
     summary, steps = _run(cfg, engines, policy, weight_sync, prompts, stand_in_train_s=1.5)
     assert max(m["queue/depth"] for m in steps) == 1, "the generator should have filled the queue"
@@ -99,8 +99,8 @@ def test_the_queue_bound_holds_a_fast_generator_back(engines, policy, weight_syn
     assert max(m["staleness/max"] for m in steps) <= 1
 
 
-def test_a_failing_generator_stops_the_trainer_with_its_cause(engines, policy, weight_sync, prompts, stack_cfg,
-                                                               tmp_path):
+def test_a_failing_generator_stops_the_trainer_with_its_cause(restore_weights, engines, policy, weight_sync, prompts,
+                                                               stack_cfg, tmp_path):
     agent = tmp_path / "broken.py"
     agent.write_text(textwrap.dedent("""
         def step(state, action, label):
@@ -116,7 +116,7 @@ def test_a_failing_generator_stops_the_trainer_with_its_cause(engines, policy, w
     assert _gone(pipeline.trainer) and _gone(pipeline.generator)
 
 
-def test_a_failing_trainer_stops_the_generator(engines, policy, weight_sync, prompts, stack_cfg):
+def test_a_failing_trainer_stops_the_generator(restore_weights, engines, policy, weight_sync, prompts, stack_cfg):
     cfg = _cfg(stack_cfg, "async", steps=50)
     pipeline = PPOTrainerAsync(cfg, engines, None, weight_sync, prompts, [])  # no policy: the first step fails
     with pytest.raises(AttributeError, match="train_step"):  # None has no train_step
@@ -169,9 +169,10 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
     cfg = _cfg(stack_cfg, "fully_async", steps=3, partial_rollout=True, trigger_parameter_sync_step=2)
     cfg.ckpt.save_steps = 0
     episode = Episode("r0", [1], response_ids=[2, 2], token_versions=[0, 0], action_mask=[1, 1], reward=1.0)
-    batches = [{"index": i, "version": i // 2, "groups": [[episode] * 2], "used": [(i, i)], "flat": [], "spans": [],
-                "metrics": {"rollout/time_to_batch_s": 0.5, "rollout/tokens_generated": 10,
-                            "rollout/stale_groups_dropped": 1}} for i in range(3)]
+    batches = [pipeline.QueuedBatch(i, i // 2, [[episode] * 2], {"rollout/time_to_batch_s": 0.5,
+                                                                  "rollout/tokens_generated": 10,
+                                                                  "rollout/stale_groups_dropped": 1}, [(i, i)], [], [])
+               for i in range(3)]
     logged, sync = _ListQueue(), _CountingSync()
     trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), sync, _ListQueue(batches), logged, [],
                                      num_prompts=3, stand_in_train_s=0.1)

@@ -49,7 +49,7 @@ def test_zero3_gradients_match_a_single_process_reference(ray_cluster, stack_cfg
             ray.kill(actor)
 
 
-def test_a_checkpoint_restores_weights_and_optimizer_exactly(policy, stack_cfg, tmp_path):
+def test_a_checkpoint_restores_weights_and_optimizer_exactly(restore_weights, policy, stack_cfg, tmp_path):
     import os
 
     from openrlhf_async.trainer import checkpoint

@@ -21,7 +21,7 @@ def _greedy(engine, prompts, max_tokens=8):
     return ray.get([engine.generate.remote(p, greedy, f"greedy-{i}") for i, p in enumerate(prompts)])
 
 
-def test_sync_makes_engines_match_trainer(engines, policy, weight_sync, tiny_model_path):
+def test_sync_makes_engines_match_trainer(restore_weights, engines, policy, weight_sync, tiny_model_path):
     name = "model.embed_tokens.weight"  # vLLM-CPU repacks linear layers, so read a plain one
     before = ray.get(engines[0].read_weight.remote(name))[:100]
     prompts = _prompt_ids(tiny_model_path, 6)
@@ -49,8 +49,8 @@ def test_sync_makes_engines_match_trainer(engines, policy, weight_sync, tiny_mod
             assert diff <= 1e-4, f"log-prob mismatch {diff}"
 
 
-def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(engines, policy, weight_sync,
-                                                                                tiny_model_path):
+def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(restore_weights, engines, policy,
+                                                                                weight_sync, tiny_model_path):
     import time
 
     def tokens_so_far(actor):  # what vLLM has produced for the requests it is running

@@ -15,6 +15,7 @@ within seconds and is raised with its cause."""
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,18 @@ from openrlhf_async.trainer.staleness import StalenessPolicy, version_report
 from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
+
+
+@dataclass
+class QueuedBatch:
+    """What the generator puts on the queue for the trainer: one batch of valid groups and its records."""
+    index: int  # production order: the trainer consumes batches in it
+    version: int  # the weight version it was made to be trained at
+    groups: list  # lists of Episode
+    metrics: dict  # the rollout's metrics for this batch
+    used: list  # (stream position, prompt id) of every prompt this batch used up
+    flat: list  # (prompt id, flat) of every finished group, for skipping flat prompts
+    spans: list  # the generator's timeline spans while it made this batch
 _COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
              "rollout/reward_errors", "rollout/reward_timeouts", "rollout/stale_groups_dropped",
              "rollout/engine_failures", "rollout/prompts_skipped")
@@ -143,8 +156,7 @@ class GenerateSamplesActor:
                 metrics["rollouter/idle_ratio"] = self.timeline.idle_ratio(start)
                 metrics["rollouter/gate_wait_s"] = self.timeline.last["wait"]
                 with self.timeline.span("wait"):
-                    item = {"index": index, "version": version, "groups": groups, "metrics": metrics, "used": used,
-                            "flat": outcomes, "spans": self.timeline.take()}
+                    item = QueuedBatch(index, version, groups, metrics, used, outcomes, self.timeline.take())
                     if not _put(self.queue, item, self.stopped):
                         return {"items": index, "stopped": True}
             _put(self.queue, END, self.stopped)
@@ -235,9 +247,9 @@ class TrainingActor:
         from openrlhf_async.trainer.losses import group_advantages
         from openrlhf_async.trainer.policy import loss_settings
 
-        version, groups = self.weight_sync.version, [g for item in items for g in item["groups"]]
-        if any(item["version"] != version for item in items):
-            raise RuntimeError(f"batches made for weight versions {[item['version'] for item in items]} reached the "
+        version, groups = self.weight_sync.version, [g for item in items for g in item.groups]
+        if any(item.version != version for item in items):
+            raise RuntimeError(f"batches made for weight versions {[item.version for item in items]} reached the "
                                f"trainer at version {version}: the generator's and the trainer's counts disagree")
         metrics = {}
         with self.timeline.span("train"):
@@ -255,7 +267,7 @@ class TrainingActor:
                            **{k: stats[k] for k in ("loss", "clip_ratio", "is_weight_mean", "is_corrected_ratio", "kl",
                                                     "grad_norm")}}
         for item in items:
-            _merge_rollout_metrics(metrics, item["metrics"])
+            _merge_rollout_metrics(metrics, item.metrics)
         report = version_report(groups, version)
         self.totals["max_staleness"] = max(self.totals["max_staleness"], report["staleness/max"])
         self.totals["stale_samples_trained"] += report["staleness/stale_samples"]
@@ -282,8 +294,8 @@ class TrainingActor:
 
     def _log(self, metrics: dict, items: list) -> None:
         """Send the step's record to the metrics log, with the prompt-stream positions it used up and the spans."""
-        used = [u for item in items for u in item["used"]]
-        self.progress.add((position for position, _ in used), [o for item in items for o in item["flat"]])
+        used = [u for item in items for u in item.used]
+        self.progress.add((position for position, _ in used), [o for item in items for o in item.flat])
         metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
         metrics["_spans"] = self._spans(items)
         self.metrics_queue.put(metrics)
@@ -292,7 +304,7 @@ class TrainingActor:
         """Every actor's spans since the last step; an actor that died meanwhile has none."""
         import ray
 
-        spans = self.timeline.take() + [span for item in items for span in item["spans"]]
+        spans = self.timeline.take() + [span for item in items for span in item.spans]
         for ref in [a.take_spans.remote() for a in self.weight_sync.engines + self.policy.actors]:
             try:
                 spans += ray.get(ref, timeout=30)
