@@ -186,7 +186,7 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
     assert summary["trainer_idle_ratio"] < 0.2 and summary["staleness_limit"] == 2
     assert (summary["max_staleness"], summary["stale_samples_trained"], summary["stale_groups_dropped"]) == (1, 2, 3)
     assert [m["_used"]["positions"] for m in steps] == [[0], [1], [2]]
-    batches[0]["version"] = 1  # made for another version than the trainer's: a bug in the version counts
+    batches[0].version = 1  # made for another version than the trainer's: a bug in the version counts
     trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), _CountingSync(), _ListQueue(batches[:1]),
                                      _ListQueue(), [], num_prompts=3, stand_in_train_s=0.0)
     with pytest.raises(RuntimeError, match="counts disagree"):
