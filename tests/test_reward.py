@@ -31,7 +31,7 @@ HOSTILE = "\\boxed{9^{9^{9^{9^{9}}}}}"
     ("-3", "-3", 1.0),
     ("3", "-3", 0.0),
 ])
-def test_math_score(completion, label, expected):
+def test_math_score_is_the_reward(completion, label, expected):
     assert math_score(completion, label)["score"] == expected
 
 
