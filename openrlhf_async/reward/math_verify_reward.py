@@ -13,6 +13,7 @@ import weakref
 from decimal import Decimal, InvalidOperation
 
 from openrlhf_async.reward.sources import RewardError, RewardTimeout
+from openrlhf_async.utils.user_code import exit_with_parent
 
 # math-verify warns on every call when its signal-based timeout is off; it must be off outside the main thread.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -135,17 +136,11 @@ def math_score(completion: str, label) -> dict:
     return _result(bool(parsed) and verify(gold, parsed, timeout_seconds=_SIGNAL_TIMEOUT), pred)
 
 
-def _exit_with_parent(parent_pid: int):
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(0)
-
-
 def _worker_init(signal_timeout: int, parent_pid: int):
     global _SIGNAL_TIMEOUT
     _SIGNAL_TIMEOUT = signal_timeout
     # A killed engine or server (SIGKILL, ray.kill) cannot stop its workers: they notice and leave.
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     import math_verify  # noqa: F401  (paid once per worker, not inside a sample's timeout)
 
 

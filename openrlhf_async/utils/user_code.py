@@ -127,7 +127,8 @@ class UserWorkers:
 _LOADED = None  # in a worker: the user's function
 
 
-def _exit_with_parent(parent_pid: int):
+def exit_with_parent(parent_pid: int):
+    """A worker's watchdog thread: leave once the process that started it is gone (SIGKILL, ray.kill)."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(0)
@@ -136,7 +137,7 @@ def _exit_with_parent(parent_pid: int):
 def _init_worker(parent_pid: int, load, load_args: tuple):
     global _LOADED
     # A killed engine or server (SIGKILL, ray.kill) cannot stop a worker stuck in user code: it notices and leaves.
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     _LOADED = load(*load_args)
 
 
