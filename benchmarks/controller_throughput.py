@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from openrlhf_async.agent import load_agent
-from openrlhf_async.config import Config, config_with
+from openrlhf_async.config import config_with, preset_config
 from openrlhf_async.rollout.controller import LocalHandle, RolloutController
 from openrlhf_async.rollout.episode import run_episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
             f.write(AGENT.format(turns=args.turns))
         agent = load_agent(path)
         engines = [LocalHandle(InstantEngine(agent, args.turns)) for _ in range(args.engines)]
-        cfg = config_with(Config(), rollout={"n_samples_per_prompt": args.n, "max_new_tokens": 10 * args.turns,
-                                             "max_concurrent_prompts": 256},
+        cfg = config_with(preset_config("tiny_cpu"), rollout={"n_samples_per_prompt": args.n,
+                                                              "max_new_tokens": 10 * args.turns,
+                                                              "vllm_generate_batch_size": 256},
                           vllm={"max_concurrency": 512}, algo={"dynamic_filtering_enable": False})
         controller = RolloutController(cfg, engines, sampling={})
         prompts = iter(lambda: {"prompt_ids": [1, 2, 3], "label": "1"}, None)

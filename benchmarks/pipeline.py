@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     print(f"stand-in optimizer step: {train_s} s ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     sync_s, sync_phase, _, _, _ = run("sync", args.steps, train_s)
     async_s, _, _, _, _ = run("async", args.steps, train_s, async_queue_size=1)
-    fully_s, _, fully, fully_cfg, _ = run("fully_async", args.steps, train_s, partial_rollout=True)
+    fully_s, _, fully, fully_cfg, _ = run("fully_async", args.steps, train_s, partial_rollout_enable=True)
     ray.shutdown()
 
     tg = sync_phase["wait"] / args.steps

@@ -72,7 +72,7 @@ def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from transformers import AutoTokenizer
 
-    from openrlhf_async.config import Config, default_cache_dir
+    from openrlhf_async.config import default_cache_dir, preset_config
     from openrlhf_async.data.prompts import tokenize_prompts
     from openrlhf_async.data.synthetic import make_arithmetic_rows
     from openrlhf_async.models.tiny import build_tiny_model
@@ -81,12 +81,12 @@ def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_
     rows = make_arithmetic_rows(256, seed=seed, split="train")
     prompt_ids = [p["prompt_ids"] for p in tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, True)]
     prompts = workload(num_prompts, n, median, sigma, cap, flat_fraction, seed, prompt_ids)
-    cfg = Config()
+    cfg = preset_config("tiny_cpu")
     cfg.device, cfg.vllm.num_engines = "cpu", engines
     cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
     cfg.data.max_len = cap + max(len(p) for p in prompt_ids) + 8
     cfg.rollout.max_new_tokens, cfg.rollout.n_samples_per_prompt = cap, n
-    cfg.rollout.batch_size = batch_size
+    cfg.rollout.batch_size, cfg.train.batch_size = batch_size, batch_size * n
     cfg.agent.func_path = os.path.join(HERE, "bernoulli_agent.py")
     return model_path, prompts, cfg
 
@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the length budgets")
     parser.add_argument("--cap", type=int, default=512, help="largest length budget")
     parser.add_argument("--flat_fraction", type=float, default=0.4, help="share of groups with equal rewards")
-    parser.add_argument("--max_concurrent_prompts", type=int, default=0, help="ours: groups in flight (0: 2 x target)")
+    parser.add_argument("--vllm_generate_batch_size", type=int, default=0,
+                        help="ours: groups in flight (0: 2 x target)")
     parser.add_argument("--admission_margin", type=float, default=0.0,
                         help="ours_abort: extra groups in flight beyond the expected need")
     parser.add_argument("--carry_over_margin", type=float, default=1.0,
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
 
     cfg.vllm.max_num_seqs = args.max_num_seqs
     cfg.rollout.admission_margin = args.admission_margin
-    cfg.rollout.max_concurrent_prompts = args.max_concurrent_prompts
+    cfg.rollout.vllm_generate_batch_size = args.vllm_generate_batch_size or 2 * args.target
     validate(cfg)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -150,8 +151,8 @@ def main(argv=None) -> int:
     skip = args.skip_flat if size else 0.0
     carrying = {"early_stop": True, "admission_margin": args.carry_over_margin}
     methods = {  # name: --rollout.* settings, controller options (skip: --rollout.skip_flat_prompts)
-        "baseline": dict(rollout=dict(early_stop=False, max_concurrent_prompts=args.target)),
-        "baseline_dapo3x": dict(rollout=dict(early_stop=False, max_concurrent_prompts=wave_dapo), wave_size=wave_dapo),
+        "baseline": dict(rollout=dict(early_stop=False, vllm_generate_batch_size=args.target)),
+        "baseline_dapo3x": dict(rollout=dict(early_stop=False, vllm_generate_batch_size=wave_dapo), wave_size=wave_dapo),
         "ours_abort": dict(rollout=dict(early_stop=True), skip=skip),
         "ours": dict(rollout=carrying, carry_over=True, skip=skip),
         "ours_screen": dict(rollout=dict(carrying, screen_samples=args.screen_samples), carry_over=True, skip=skip),

@@ -1,19 +1,29 @@
 """One typed config for a run, built from OpenRLHF-style dotted flags and validated once at start.
 
-Each setting is one `setting(...)` line: its default, its --help text, and the choices, range and OpenRLHF flag
-spelling that the generated parser and `validate` enforce. Adding a flag is adding that line."""
+Each setting is one `setting(...)` line: its default, its --help text, the choices, range and flag spelling that
+the generated parser and `validate` enforce, and, for a flag of OpenRLHF 0.11.2's `train_ppo_ray`, how this system
+supports it (`openrlhf=`). Adding a flag is adding that line. A flag spelled as in OpenRLHF 0.11.2 has its meaning
+and default there; the project's presets (`openrlhf_async/presets/*.args`) set what they need explicitly."""
 
 import argparse
 import dataclasses
 import math
 import os
+import shlex
+import sys
 import urllib.parse
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Optional
 
 
 class ConfigError(ValueError):
     """A bad flag, file or field; the message is one line naming it and the fix."""
+
+
+def notice(message: str) -> None:
+    """One line on stderr about a setting that is accepted but acts other than its name suggests."""
+    print(f"notice: {message}", file=sys.stderr, flush=True)
 
 
 # A setting's range: a test of each value (each of a pair's) and what the error says.
@@ -22,64 +32,194 @@ _EACH = {
     "> 0 s": (lambda v: v > 0, "must be above 0 seconds"),
     ">= 0": (lambda v: v >= 0, "must not be negative"),
     ">= 1": (lambda v: v >= 1, "must be at least 1"),
+    "> 1": (lambda v: v > 1, "must be above 1"),
+    "<= 1": (lambda v: v <= 1, "must not be above 1"),
     "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "(0, 1]": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "[0, 1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "-1 or >= 1": (lambda v: v == -1 or v >= 1, "use -1 (never) or a number of steps from 1"),
 }
 # A (low, high) setting's range: a test of the pair.
 _PAIR = {
     "low < high": (lambda low, high: low < high, "the low end must be below the high end"),
+    "low <= high": (lambda low, high: low <= high, "the low end must not be above the high end"),
     "0 < low < 1 < high": (lambda low, high: 0 < low < 1 < high, "need 0 < low < 1 < high"),
 }
 
+# How a flag of OpenRLHF 0.11.2 is supported (the `openrlhf=` of a setting; None: this project's own flag):
+#   "same"            its meaning and default there;
+#   "differs: WHY"    supported, with the difference WHY (shown in the README's flag table);
+#   "refused: WHY"    a value other than the default stops the run before anything starts (it would change what is
+#                     trained, and is not built);
+#   "no effect: WHY"  accepted; a value other than the default prints one notice (it tunes speed or memory with
+#                     something this system does not use).
+SUPPORT_KINDS = ("same", "differs", "refused", "no effect")
 
-def setting(default, help: str, choices: tuple = None, range: str = None, flag: str = None):
-    """A config field with its --help text, its allowed values (choices, or a range of _EACH or _PAIR) and its
-    flag where OpenRLHF spells it other than --<section>.<field>."""
+
+def setting(default, help: str, choices: tuple = None, range: str = None, flag: str = None, openrlhf: str = None,
+            type=None, nargs=None):
+    """A config field with its --help text, its allowed values (choices, or a range of _EACH or _PAIR), its flag
+    where it is spelled other than --<section>.<field>, its OpenRLHF support, and (for a default of None) the type
+    and nargs of its value."""
     assert help and (range is None or range in _EACH or range in _PAIR), (help, range)
-    return field(default=default, metadata={"help": help, "choices": choices, "range": range, "flag": flag})
+    assert openrlhf is None or openrlhf.split(":")[0] in SUPPORT_KINDS, openrlhf
+    return field(default=default, metadata={"help": help, "choices": choices, "range": range, "flag": flag,
+                                            "openrlhf": openrlhf, "type": type, "nargs": nargs})
+
+
+_NO_CRITIC = "no effect: no critic is trained here (the critic-free estimators need none; gae is refused)"
+_NO_REWARD_MODEL = "no effect: rewards come from the agent, a reward_func file or a reward service, not a model"
+_NO_MUON = "no effect: only the adam optimizer is built (--actor.optim muon is refused)"
+_REF_ON_POLICY = "no effect: the reference model always sits on the policy's ranks, partitioned like it"
+_ONE_STEP = ("differs: with one optimizer step per rollout batch (PPO mini-batches are not built yet) the ratio "
+              "to the proximal policy is 1, so the clip does not act yet")
+_ISSUE_18 = "no effect: samples are padded per micro batch; token-budget batching and packing are not built yet"
 
 
 @dataclass
 class ActorConfig:
-    model_name_or_path: str = setting("", "HF model folder or Hugging Face id; empty builds the embedded tiny model")
-    num_nodes: int = setting(1, "nodes of DeepSpeed trainer ranks", range=">= 1")
-    num_gpus_per_node: int = setting(2, "DeepSpeed ranks per node (CPU processes when device is cpu)", range=">= 1")
-    eps_clip: float = setting(0.2, "PPO clip range, low side", range="> 0")
-    eps_clip_high: float = setting(0.28, "PPO clip range, high side (DAPO clip-higher)", range="> 0")
-    adam_lr: float = setting(3e-4, "Adam learning rate", range="> 0", flag="actor.adam.lr")
-    adam_betas: tuple = setting((0.9, 0.95), "Adam beta1 beta2", range="[0, 1)", flag="actor.adam.betas")
-    adam_weight_decay: float = setting(0.0, "AdamW weight decay", range=">= 0", flag="actor.adam.weight_decay")
-    max_norm: float = setting(1.0, "gradient clipping norm; 0: no clipping", range=">= 0")
+    model_name_or_path: Optional[str] = setting(
+        None, "HF model folder or Hugging Face id; none builds the embedded tiny model", type=str,
+        openrlhf="differs: without it the embedded tiny model is built (OpenRLHF requires a model)")
+    num_nodes: int = setting(1, "nodes of DeepSpeed trainer ranks", range=">= 1", openrlhf="same")
+    num_gpus_per_node: int = setting(8, "DeepSpeed ranks per node (CPU processes when the device is cpu)",
+                                     range=">= 1", openrlhf="same")
+    eps_clip: float = setting(0.2, "PPO clip range (both sides unless --actor.eps_clip_low_high)", range="> 0",
+                              openrlhf=_ONE_STEP)
+    eps_clip_low_high: Optional[tuple] = setting(None, "PPO clip range, low and high side (DAPO clip-higher: 0.2 "
+                                                       "0.28); none: --actor.eps_clip on both sides", type=float,
+                                                 nargs=2, range="> 0", openrlhf=_ONE_STEP)
+    dual_clip: Optional[float] = setting(None, "dual-clip PPO: bound of the loss of negative-advantage tokens (> 1); "
+                                               "none: off", type=float, range="> 1", openrlhf=_ONE_STEP)
+    entropy_coef: Optional[float] = setting(None, "entropy bonus coefficient; 0 only logs the entropy; none: not "
+                                                  "computed", type=float, range=">= 0", openrlhf="same")
+    loss_agg_mode: str = setting("token-mean", "policy-loss aggregation: token-mean (over all tokens of the batch) "
+                                               "or seq-mean-token-mean (every sequence weighs the same)",
+                                 choices=("token-mean", "seq-mean-token-mean"), openrlhf="same")
+    policy_loss_type: str = setting("ppo", "ppo (token ratios) or gspo (the sequence's mean log-ratio)",
+                                    choices=("ppo", "gspo"), openrlhf="same")
+    aux_loss_coef: float = setting(0.0, "MoE load-balancing loss coefficient", range=">= 0",
+                                   openrlhf="refused: the MoE auxiliary loss is not built")
+    freeze_visual_encoder: bool = setting(False, "freeze a vision encoder",
+                                          openrlhf="refused: vision-language models are not supported")
+    gradient_checkpointing_enable: bool = setting(False, "recompute activations in the backward pass (less memory)",
+                                                  openrlhf="same")
+    gradient_checkpointing_reentrant: bool = setting(False, "use the reentrant variant of gradient checkpointing",
+                                                     openrlhf="same")
+    optim: str = setting("adam", "optimizer", choices=("adam", "muon"),
+                         openrlhf="differs: adam only; muon is refused (not built)")
+    muon_lr: float = setting(0.02, "Muon learning rate", flag="actor.muon.lr", openrlhf=_NO_MUON)
+    muon_momentum: float = setting(0.95, "Muon momentum", flag="actor.muon.momentum", openrlhf=_NO_MUON)
+    muon_ns_steps: int = setting(5, "Muon Newton-Schulz steps", flag="actor.muon.ns_steps", openrlhf=_NO_MUON)
+    muon_nesterov: bool = setting(True, "Muon Nesterov momentum (--actor.muon.no_nesterov turns it off)",
+                                  flag="actor.muon.nesterov", openrlhf=_NO_MUON)
+    adam_lr: float = setting(1e-6, "Adam learning rate (the peak of the schedule)", range="> 0", flag="actor.adam.lr",
+                             openrlhf="same")
+    adam_betas: tuple = setting((0.9, 0.95), "Adam beta1 beta2", range="[0, 1)", flag="actor.adam.betas",
+                                openrlhf="same")
+    adam_eps: float = setting(1e-8, "Adam epsilon", range="> 0", flag="actor.adam.eps", openrlhf="same")
+    adam_weight_decay: float = setting(0.0, "AdamW weight decay", range=">= 0", flag="actor.adam.weight_decay",
+                                       openrlhf="same")
+    lr_scheduler: str = setting("cosine_with_min_lr", "learning-rate schedule over the run's optimizer steps "
+                                                      "(transformers' scheduler names: cosine_with_min_lr, constant, "
+                                                      "constant_with_warmup, linear, cosine, ...)", openrlhf="same")
+    lr_warmup_ratio: float = setting(0.03, "share of the optimizer steps with a rising learning rate",
+                                     range="[0, 1]", openrlhf="same")
+    min_lr_ratio: float = setting(0.1, "cosine_with_min_lr: the final learning rate as a share of the peak",
+                                  range="[0, 1]", openrlhf="same")
+    max_norm: float = setting(1.0, "gradient clipping norm; 0: no clipping", range=">= 0", openrlhf="same")
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.num_gpus_per_node
 
+    @property
+    def clip_range(self) -> tuple:
+        return tuple(self.eps_clip_low_high) if self.eps_clip_low_high else (self.eps_clip, self.eps_clip)
+
+
+@dataclass
+class CriticConfig:
+    model_name_or_path: Optional[str] = setting(None, "critic model", type=str,
+                                                openrlhf="refused: no critic is trained here; use a critic-free "
+                                                         "estimator (group_norm, reinforce_baseline, rloo, ...)")
+    num_nodes: int = setting(1, "critic nodes", openrlhf=_NO_CRITIC)
+    num_gpus_per_node: int = setting(8, "critic GPUs per node", openrlhf=_NO_CRITIC)
+    optim: str = setting("adam", "critic optimizer", choices=("adam", "muon"), openrlhf=_NO_CRITIC)
+    muon_lr: float = setting(0.02, "critic Muon learning rate", flag="critic.muon.lr", openrlhf=_NO_CRITIC)
+    muon_momentum: float = setting(0.95, "critic Muon momentum", flag="critic.muon.momentum", openrlhf=_NO_CRITIC)
+    muon_ns_steps: int = setting(5, "critic Muon Newton-Schulz steps", flag="critic.muon.ns_steps",
+                                 openrlhf=_NO_CRITIC)
+    muon_nesterov: bool = setting(True, "critic Muon Nesterov momentum", flag="critic.muon.nesterov",
+                                  openrlhf=_NO_CRITIC)
+    adam_lr: float = setting(9e-6, "critic learning rate", flag="critic.adam.lr", openrlhf=_NO_CRITIC)
+    adam_betas: tuple = setting((0.9, 0.95), "critic Adam betas", flag="critic.adam.betas", openrlhf=_NO_CRITIC)
+    adam_eps: float = setting(1e-8, "critic Adam epsilon", flag="critic.adam.eps", openrlhf=_NO_CRITIC)
+    adam_weight_decay: float = setting(0.0, "critic weight decay", flag="critic.adam.weight_decay",
+                                       openrlhf=_NO_CRITIC)
+    lr_scheduler: str = setting("cosine_with_min_lr", "critic schedule", openrlhf=_NO_CRITIC)
+    lr_warmup_ratio: float = setting(0.03, "critic warm-up share", openrlhf=_NO_CRITIC)
+    min_lr_ratio: float = setting(0.1, "critic final learning-rate share", openrlhf=_NO_CRITIC)
+    max_norm: float = setting(1.0, "critic gradient clipping", openrlhf=_NO_CRITIC)
+    value_clip: float = setting(0.5, "PPO value clip range", openrlhf=_NO_CRITIC)
+    freezing_steps: int = setting(-1, "steps the actor is frozen while the critic warms up", openrlhf=_NO_CRITIC)
+    save_value_network: bool = setting(False, "save the critic", openrlhf=_NO_CRITIC)
+
+
+@dataclass
+class RefConfig:
+    num_nodes: int = setting(1, "reference model nodes", openrlhf=_REF_ON_POLICY)
+    num_gpus_per_node: int = setting(8, "reference model GPUs per node", openrlhf=_REF_ON_POLICY)
+    offload: bool = setting(False, "offload the reference model to CPU memory",
+                            openrlhf="no effect: the reference model stays on the policy's devices")
+
 
 @dataclass
 class VLLMConfig:
-    num_engines: int = setting(1, "vLLM engines generating rollouts", range=">= 1")
-    tensor_parallel_size: int = setting(1, "GPUs per vLLM engine", range=">= 1")
-    sync_backend: str = setting("", "weight-sync group backend; empty: nccl on cuda, gloo on cpu",
-                                choices=("", "nccl", "gloo"))
-    enforce_eager: bool = setting(True, "run vLLM without CUDA graphs")
-    gpu_memory_utilization: float = setting(0.9, "share of GPU memory a vLLM engine may take", range="(0, 1]")
+    num_engines: Optional[int] = setting(None, "vLLM engines generating rollouts; none: 1", type=int,
+                                         openrlhf="differs: none starts one engine (OpenRLHF then generates with "
+                                                  "the trainer's model, which is not built here); 0 is refused")
+    tensor_parallel_size: int = setting(1, "GPUs per vLLM engine", range=">= 1", openrlhf="same")
+    sync_backend: str = setting("nccl", "weight-sync group backend (on cpu, nccl becomes gloo with a notice)",
+                                choices=("nccl", "gloo"),
+                                openrlhf="differs: on cpu nccl becomes gloo, the CPU twin of the same group")
+    sync_with_ray: bool = setting(False, "send weights through Ray's object store",
+                                  openrlhf="no effect: weights always go through the collective group")
+    enable_prefix_caching: bool = setting(False, "vLLM automatic prefix caching (n samples share the prompt's KV)",
+                                          openrlhf="same")
+    enforce_eager: bool = setting(False, "run vLLM without CUDA graphs / compilation", openrlhf="same")
+    enable_sleep: bool = setting(False, "put colocated vLLM engines to sleep while training",
+                                 openrlhf="refused: engines never share the trainer's GPUs here (OpenRLHF's async "
+                                          "trainer refuses it too)")
+    gpu_memory_utilization: float = setting(0.95, "share of GPU memory a vLLM engine may take", range="(0, 1]",
+                                            openrlhf="same")
     cpu_kvcache_space_gib: int = setting(1, "KV cache per engine on cpu, in GiB (VLLM_CPU_KVCACHE_SPACE)")
-    max_num_seqs: int = setting(256, "sequences one vLLM engine batches at once")
+    max_num_seqs: int = setting(256, "sequences one vLLM engine batches at once", range=">= 1")
     max_concurrency: int = setting(256, "requests in flight per engine (asyncio semaphore; env "
                                         "OPENRLHF_ASYNC_NUM_TASKS overrides)", range=">= 1")
 
 
 @dataclass
 class RolloutConfig:
-    batch_size: int = setting(32, "prompts per training step", range=">= 1")
-    n_samples_per_prompt: int = setting(8, "samples per prompt (its group)", range=">= 1")
-    max_new_tokens: int = setting(8, "response tokens per sample at most", range=">= 1")
-    temperature: float = setting(1.0, "rollout sampling temperature", range="> 0")
-    top_p: float = setting(1.0, "rollout nucleus sampling top-p", range="(0, 1]")
-    max_concurrent_prompts: int = setting(0, "prompt groups in flight at once (FIFO); 0: twice --rollout.batch_size",
-                                          range=">= 0")
+    batch_size: int = setting(1024, "prompts (groups) per training step", range=">= 1", openrlhf="same")
+    n_samples_per_prompt: int = setting(1, "samples per prompt (its group)", range=">= 1", openrlhf="same")
+    max_new_tokens: Optional[int] = setting(None, "response tokens per sample at most (a multi-turn episode's, "
+                                                  "observations included), within --data.max_len with the prompt; "
+                                                  "none: --data.max_len minus the prompt's length", type=int,
+                                            range=">= 1", openrlhf="differs: for multi-turn agents it bounds the "
+                                                                   "whole episode's response; OpenRLHF's multi-turn "
+                                                                   "executor uses --data.max_len alone")
+    temperature: float = setting(1.0, "rollout sampling temperature", range="> 0", openrlhf="same")
+    top_p: float = setting(1.0, "rollout nucleus sampling top-p", range="(0, 1]", openrlhf="same")
+    micro_batch_size: int = setting(1, "samples per forward pass of the reference model (its log-probs)",
+                                    range=">= 1", openrlhf="differs: sizes the reference model's forward passes; "
+                                                           "the rollout log-probs come from vLLM")
+    vllm_generate_batch_size: Optional[int] = setting(
+        None, "prompt groups in flight at once (FIFO); above --rollout.batch_size over-samples, and with early stop "
+              "the surplus is cancelled; none: --rollout.batch_size", type=int, range=">= 1",
+        openrlhf="differs: over-sampling also works in sync mode (early stop cancels the surplus)")
+    max_tokens_per_gpu: Optional[int] = setting(None, "token budget per forward pass of the rollout log-probs",
+                                                type=int, openrlhf=_ISSUE_18)
     early_stop: bool = setting(True, "stop the rollout once enough valid groups exist: cancel queued groups, abort "
                                      "running ones")
     unbiased_early_stop: bool = setting(False, "stop only when every group started before the last accepted one "
@@ -87,18 +227,19 @@ class RolloutConfig:
     admission_margin: float = setting(0.0, "start this share more groups than the valid rate says are needed: "
                                            "faster batches, more aborted tokens", range=">= 0")
     skip_flat_prompts: float = setting(0.0, "skip a prompt, when its turn comes again, with this probability if its "
-                                            "last group's rewards were all equal (it taught nothing then); 0: never; "
+                                            "last group's scores were all equal (it taught nothing then); 0: never; "
                                             "below 1 so that a prompt comes back once the policy has moved",
                                        range="[0, 1)")
     screen_samples: int = setting(0, "screening: run M of a group's samples first and the other n - M only if the M "
-                                     "rewards vary; a group whose M all score the same is dropped as flat, having "
+                                     "scores vary; a group whose M all score the same is dropped as flat, having "
                                      "cost M/n of its tokens (SPEED-RL); 0: off, else 2 <= M < n")
 
 
 @dataclass
 class AgentConfig:
-    func_path: str = setting("", "agent .py file: step(state, action, label) or an OpenRLHF AgentExecutor; empty: "
-                                 "the built-in single-turn math agent", flag="train.agent_func_path")
+    func_path: Optional[str] = setting(None, "agent .py file: step(state, action, label), an OpenRLHF 0.8 step or an "
+                                             "OpenRLHF AgentExecutor; none: the built-in single-turn math agent",
+                                       type=str, flag="train.agent_func_path", openrlhf="same")
     workers: int = setting(0, "0 runs agent steps in the engine's process; N isolates them in N worker processes per "
                               "engine", range=">= 0")
     max_steps: int = setting(8, "agent steps (turns) per episode at most", range=">= 1")
@@ -114,13 +255,43 @@ class AgentConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = setting(100, "training steps (each: rollout, update, weight sync)", range=">= 1")
-    micro_batch_size: int = setting(64, "samples per forward/backward on one rank", range=">= 1")
-    seed: int = setting(42, "random seed of prompt order, sampling and training")
-    weight_sync_bucket_mb: int = setting(64, "MB of weights per broadcast when syncing the engines", range=">= 1")
-    # Checked in validate with its environment override.
+    async_enable: bool = setting(False, "asynchronous training: generation runs ahead of the trainer (--mode async; "
+                                        "with --train.partial_rollout_enable, --mode fully_async)", openrlhf="same")
+    partial_rollout_enable: bool = setting(False, "at a weight sync, freeze episodes in flight and continue them on "
+                                                  "the new weights (needs --train.async_enable)",
+                                           openrlhf="differs: runs --mode fully_async (streaming groups, staleness "
+                                                    "bounded by --train.staleness_threshold)")
     async_queue_size: int = setting(1, "async: batches the generator may run ahead of the trainer (env "
-                                       "OPENRLHF_ASYNC_QUEUE_SIZE overrides)")
+                                       "OPENRLHF_ASYNC_QUEUE_SIZE overrides)", openrlhf="same")
+    num_episodes: int = setting(1, "passes over the prompt dataset; the run's steps are num_episodes x prompts / "
+                                   "--rollout.batch_size unless --train.max_steps", range=">= 1",
+                                openrlhf="differs: the step count is fixed at start from the prompt count; with "
+                                         "dynamic filtering OpenRLHF's episode ends when the prompts run out")
+    max_steps: int = setting(-1, "training steps (each: rollout, update, weight sync); -1: from --train.num_episodes",
+                             range="-1 or >= 1")
+    batch_size: int = setting(128, "samples per optimizer step; must be --rollout.batch_size x "
+                                   "--rollout.n_samples_per_prompt (one optimizer step per rollout batch)",
+                              range=">= 1", openrlhf="differs: PPO mini-batches (several optimizer steps per rollout "
+                                                     "batch) are not built yet; other values are refused")
+    max_epochs: int = setting(1, "passes of the optimizer over one rollout batch", range=">= 1",
+                              openrlhf="differs: 1 only; more are refused until PPO mini-batches exist")
+    micro_batch_size: int = setting(1, "samples per forward/backward on one rank", range=">= 1", openrlhf="same")
+    seed: int = setting(42, "random seed of prompt order, sampling and training", openrlhf="same")
+    full_determinism_enable: bool = setting(False, "deterministic algorithms on the trainer ranks (slower)",
+                                            openrlhf="differs: the trainer ranks only; vLLM sampling is seeded")
+    colocate_actor_ref: bool = setting(False, "put the reference model on the policy's devices",
+                                       openrlhf="differs: always so here; in sync mode refused, as the hybrid engine "
+                                                "(engines on the trainer's GPUs) is not built")
+    colocate_all: bool = setting(False, "colocate the models; OpenRLHF's async trainer colocates only the DeepSpeed "
+                                        "models, as here",
+                                 openrlhf="differs: accepted in the async modes with that meaning; refused in sync "
+                                          "mode (the hybrid engine is not built)")
+    colocate_critic_reward: bool = setting(False, "colocate critic and reward model", openrlhf=_NO_CRITIC)
+    enable_ema: bool = setting(False, "keep an EMA copy of the weights", openrlhf="refused: EMA weights are not built")
+    ema_beta: float = setting(0.992, "EMA coefficient", openrlhf="no effect: EMA weights are not built")
+    dynamic_batch_enable: bool = setting(False, "token-budget micro batches", openrlhf=_ISSUE_18)
+    max_tokens_per_gpu: int = setting(16192, "token budget of a training micro batch", openrlhf=_ISSUE_18)
+    weight_sync_bucket_mb: int = setting(64, "MB of weights per broadcast when syncing the engines", range=">= 1")
     max_staleness: int = setting(-1, "hard bound on a trained sample's staleness (trainer version minus the oldest "
                                      "version of its tokens); staler groups are dropped and counted; -1: the mode's "
                                      "own bound")
@@ -129,61 +300,126 @@ class TrainConfig:
     trigger_parameter_sync_step: int = setting(1, "fully_async: optimizer steps between weight syncs", range=">= 1")
     require_batches: int = setting(1, "fully_async: batches of --rollout.batch_size groups per optimizer step",
                                    range=">= 1")
-    partial_rollout: bool = setting(False, "fully_async: at a sync, freeze episodes in flight and continue them on "
-                                           "the new weights instead of letting them finish first")
 
 
 @dataclass
 class DataConfig:
-    prompt_dataset: str = setting("", "JSONL or Parquet file of prompts; empty uses the built-in arithmetic task")
-    input_key: str = setting("prompt", "the dataset field holding the prompt")
-    label_key: str = setting("label", "the dataset field holding the label the reward checks against")
-    apply_chat_template: bool = setting(True, "format prompts with the tokenizer's chat template")
-    max_len: int = setting(256, "prompt + response tokens at most", range=">= 1")
-    max_samples: int = setting(100_000_000, "training prompts used at most", range=">= 1")
+    prompt_dataset: Optional[str] = setting(None, "prompts: JSONL/JSON/Parquet/CSV file, dataset folder or Hugging "
+                                                  "Face id, name@split, comma-separated for a mixture; none: the "
+                                                  "built-in arithmetic task", type=str,
+                                            openrlhf="differs: without it the built-in arithmetic task is used")
+    prompt_probs: Optional[str] = setting(None, "sampling probabilities of the comma-separated datasets (0.7,0.3)",
+                                          type=str, openrlhf="same")
+    prompt_split: str = setting("train", "dataset split (name@split overrides it)", openrlhf="same")
+    input_key: str = setting("input", "the dataset field holding the prompt", openrlhf="same")
+    label_key: Optional[str] = setting(None, "the dataset field holding the label the reward checks against; none: "
+                                             "no label", type=str, openrlhf="same")
+    input_template: Optional[str] = setting(None, "template of a prompt without the chat template, with {} for the "
+                                                  "prompt", type=str, openrlhf="same")
+    apply_chat_template: bool = setting(False, "format prompts with the tokenizer's chat template", openrlhf="same")
+    disable_fast_tokenizer: bool = setting(False, "use the slow (Python) tokenizer", openrlhf="same")
+    max_len: int = setting(2048, "prompt + response tokens at most", range=">= 1", openrlhf="same")
+    max_samples: int = setting(100_000_000, "training prompts used at most", range=">= 1", openrlhf="same")
+    dataloader_num_workers: int = setting(0, "data loader worker processes",
+                                          openrlhf="no effect: prompts are tokenised once at start")
+    image_key: str = setting("images", "dataset field of images", openrlhf="no effect: text only")
+    max_images_per_prompt: int = setting(0, "images per prompt",
+                                         openrlhf="refused: vision-language models are not supported")
 
 
 @dataclass
 class EvalConfig:
-    dataset: str = setting("", "held-out JSONL/Parquet; empty: the built-in task's eval split, or no eval with "
-                               "--data.prompt_dataset")
-    steps: int = setting(10, "evaluate every N steps, plus at start and end", range=">= 1")
+    dataset: Optional[str] = setting(None, "held-out prompts (as --data.prompt_dataset); none: the built-in task's "
+                                           "eval split, or no eval with --data.prompt_dataset", type=str,
+                                     openrlhf="differs: with the built-in task its eval split is used")
+    split: str = setting("train", "eval dataset split", openrlhf="same")
+    steps: int = setting(-1, "evaluate every N steps and after the last; -1: never", range="-1 or >= 1",
+                         openrlhf="differs: with N >= 1 also at the start and after the last step")
     max_samples: int = setting(500, "eval prompts used at most", range=">= 1")
-    n_samples_per_prompt: int = setting(1, "k samples per eval problem: eval/mean@k and eval/pass@k", range=">= 1")
-    temperature: float = setting(0.0, "eval sampling temperature; 0 is greedy (k must be 1)", range=">= 0")
+    n_samples_per_prompt: int = setting(4, "k samples per eval problem: eval/mean@k and eval/pass@k", range=">= 1",
+                                        openrlhf="same")
+    temperature: float = setting(0.6, "eval sampling temperature; 0 is greedy (k must be 1)", range=">= 0",
+                                 openrlhf="same")
     top_p: float = setting(1.0, "eval nucleus sampling top-p", range="(0, 1]")
-    max_new_tokens: int = setting(0, "eval response budget; 0: --rollout.max_new_tokens", range=">= 0")
+    max_new_tokens: int = setting(0, "eval response budget; 0: as the rollout's", range=">= 0")
 
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = setting("group_norm", "group_norm (GRPO), dr_grpo or reinforce_baseline",
-                                       choices=("group_norm", "dr_grpo", "reinforce_baseline"),
-                                       flag="algo.advantage.estimator")
-    advantage_no_std_norm: bool = setting(False, "group_norm: do not divide by the group's reward std",
-                                          flag="algo.advantage.no_std_norm")
-    dynamic_filtering_enable: bool = setting(True, "keep a group only if its rewards vary (DAPO dynamic sampling)")
-    dynamic_filtering_rule: str = setting("std", "std: reward std above --algo.dynamic_filtering_std_eps; "
-                                                 "mean_range: mean strictly inside --algo.dynamic_filtering_range "
-                                                 "(OpenRLHF's rule)", choices=("std", "mean_range"))
-    dynamic_filtering_std_eps: float = setting(1e-6, "std rule: the reward std a group must exceed", range="> 0")
-    dynamic_filtering_range: tuple = setting((0.0, 1.0), "mean_range rule: low high bounds of a kept group's mean "
-                                                          "reward", range="low < high")
-    off_policy_correction: str = setting("tis", "tis (truncated importance sampling against the rollout logprobs), "
-                                                "icepop (mask tokens outside --algo.icepop_band) or none",
-                                         choices=("tis", "icepop", "none"))
-    tis_clamp: float = setting(2.0, "tis: the largest importance weight", range=">= 1")
-    icepop_band: tuple = setting((0.5, 2.0), "icepop: importance weights outside [low, high] mask their token",
-                                 range="0 < low < 1 < high")
-    kl_coef: float = setting(0.0, "k3 KL penalty against the initial policy (loads a reference model); 0: none",
-                             range=">= 0")
+    advantage_estimator: str = setting(
+        "gae", "group_norm (GRPO), dr_grpo, rloo, reinforce, reinforce_baseline (REINFORCE++ with baseline) or "
+               "flash_reinforce; gae needs a critic and is refused",
+        choices=("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"),
+        flag="algo.advantage.estimator", openrlhf="differs: gae (its default) is refused: no critic is trained here")
+    advantage_no_std_norm: bool = setting(False, "reinforce, reinforce_baseline: centre the batch's token advantages "
+                                                 "without dividing by their std", flag="algo.advantage.no_std_norm",
+                                          openrlhf="same")
+    advantage_gamma: float = setting(1.0, "discount of the reward over response tokens (reinforce only)", range="(0, 1]",
+                                     flag="algo.advantage.gamma",
+                                     openrlhf="differs: 1 only (as OpenRLHF sets for every estimator but reinforce)")
+    advantage_lambd: float = setting(1.0, "GAE lambda", flag="algo.advantage.lambd", openrlhf=_NO_CRITIC)
+    is_correction_level: str = setting("off", "train/rollout log-prob mismatch correction: off, token (each token's "
+                                              "ratio pi_train/pi_rollout) or seq (the sequence's mean; mask only)",
+                                       choices=("off", "token", "seq"), flag="algo.advantage.is_correction_level",
+                                       openrlhf="same")
+    is_correction_mode: str = setting("mask", "mask drops units outside the band (survivors keep their weight; "
+                                              "ICEPOP), clip clamps the token ratio into it (TIS)",
+                                      choices=("mask", "clip"), flag="algo.advantage.is_correction_mode",
+                                      openrlhf="same")
+    is_correction_gating: str = setting("ratio", "what the band reads: ratio (the weight itself), binary_kl or tv "
+                                                 "(the sampled token's divergence; an upper bound only)",
+                                        choices=("ratio", "binary_kl", "tv"),
+                                        flag="algo.advantage.is_correction_gating", openrlhf="same")
+    is_correction_threshold: tuple = setting((0.5, 5.0), "LOW HIGH band of the gated statistic, or HIGH alone "
+                                                         "(an upper bound)", type=float, nargs="+", range=">= 0",
+                                             flag="algo.advantage.is_correction_threshold", openrlhf="same")
+    dynamic_filtering_enable: bool = setting(False, "keep a group only if its scores pass the rule (DAPO dynamic "
+                                                    "sampling)", openrlhf="same")
+    dynamic_filtering_range: tuple = setting((0.0, 1.0), "mean_range rule: a kept group's mean score lies strictly "
+                                                          "between low and high", range="low < high", openrlhf="same")
+    dynamic_filtering_rule: str = setting("mean_range", "mean_range (OpenRLHF's: mean inside "
+                                                        "--algo.dynamic_filtering_range) or std (score std above "
+                                                        "--algo.dynamic_filtering_std_eps, for unbounded scores)",
+                                          choices=("mean_range", "std"))
+    dynamic_filtering_std_eps: float = setting(1e-6, "std rule: the score std a group must exceed", range="> 0")
+    kl_init_coef: float = setting(0.01, "KL coefficient against the initial policy (loads a reference model); 0: "
+                                        "none", range=">= 0", flag="algo.kl.init_coef", openrlhf="same")
+    kl_use_loss: bool = setting(False, "KL as a loss term (GRPO) instead of a per-token reward penalty",
+                                flag="algo.kl.use_loss", openrlhf="same")
+    kl_estimator: str = setting("k1", "KL estimator: k1, k2 or k3 (clamped to [-10, 10])", choices=("k1", "k2", "k3"),
+                                flag="algo.kl.estimator", openrlhf="same")
+    kl_unbiased_gradient: bool = setting(False, "KL loss: keep the estimator's value, back-propagate the true "
+                                                "reverse-KL gradient", flag="algo.kl.unbiased_gradient",
+                                         openrlhf="same")
+    kl_target: Optional[float] = setting(None, "adaptive KL controller's target", type=float, flag="algo.kl.target",
+                                         range="> 0",
+                                         openrlhf="refused: the adaptive KL controller is not built")
+    kl_horizon: int = setting(10000, "adaptive KL controller's horizon", flag="algo.kl.horizon",
+                              openrlhf="no effect: the adaptive KL controller is not built")
 
 
 @dataclass
 class RewardConfig:
-    remote_url: str = setting("", "reward source scoring each finished episode instead of the agent's own reward: "
-                                  "reward service URL(s) (comma-separated, POST /score) or an OpenRLHF reward_func "
-                                  ".py file")
+    remote_url: Optional[str] = setting(None, "reward source scoring each finished episode instead of the agent's "
+                                              "own reward: reward service URL(s) (comma-separated, POST /score) or "
+                                              "an OpenRLHF reward_func .py file", type=str, openrlhf="same")
+    model_name_or_path: Optional[str] = setting(None, "reward model", type=str,
+                                                openrlhf="refused: reward models are not supported; use a reward "
+                                                         "service, a reward_func file or an agent")
+    num_nodes: int = setting(1, "reward model nodes", openrlhf=_NO_REWARD_MODEL)
+    num_gpus_per_node: int = setting(8, "reward model GPUs per node", openrlhf=_NO_REWARD_MODEL)
+    offload: bool = setting(False, "offload the reward model", openrlhf=_NO_REWARD_MODEL)
+    normalize_enable: bool = setting(False, "normalise a reward model's output", openrlhf=_NO_REWARD_MODEL)
+    clip_range: tuple = setting((-10.0, 10.0), "the reward the advantages see is clipped into [low, high]",
+                                range="low <= high", openrlhf="same")
+    overlong_buffer_len: Optional[float] = setting(None, "DAPO overlong shaping: penalise responses within this many "
+                                                         "tokens of their budget; none: off", type=float,
+                                                   range="> 0", openrlhf="same")
+    overlong_penalty_factor: float = setting(1.0, "DAPO overlong shaping: the penalty at the full budget",
+                                             range=">= 0", openrlhf="same")
+    stop_properly_penalty_coef: Optional[float] = setting(
+        None, "truncated responses (finish reason length): in [0, 1] scales their reward, below 0 replaces it; "
+              "none: off", type=float, range="<= 1", openrlhf="same")
     timeout: float = setting(10.0, "seconds one reward call may take (math-verify, reward_func); for a reward "
                                    "service, its time per sample: the client waits 2T + 10 s for an answer",
                              range="> 0 s")
@@ -193,51 +429,114 @@ class RewardConfig:
                               "hung call has its worker killed, so it cannot stall generation)", range=">= 1")
     max_error_ratio: float = setting(0.5, "stop the run when more than this share of a batch's episodes lost their "
                                           "reward", range="[0, 1]")
-    overlong_buffer_len: int = setting(0, "DAPO overlong shaping: penalise responses within this many tokens of the "
-                                          "budget; 0: off", range=">= 0")
-    overlong_penalty_factor: float = setting(1.0, "DAPO overlong shaping: the penalty at the full budget",
-                                             range=">= 0")
 
     def source(self) -> dict:
         """make_reward's arguments."""
-        return {"remote_url": self.remote_url, "timeout": self.timeout, "retries": self.retries,
+        return {"remote_url": self.remote_url or "", "timeout": self.timeout, "retries": self.retries,
                 "max_concurrency": self.max_concurrency, "workers": self.workers}
+
+
+_SPEED_ONLY = "no effect: a speed/memory kernel this system does not use"
 
 
 @dataclass
 class DSConfig:
-    zero_stage: int = setting(3, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
-    param_dtype: str = setting("", "training dtype; empty: fp32 on cpu, bf16 on cuda",
-                               choices=("", "fp32", "bf16", "fp16"))
+    zero_stage: int = setting(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3), openrlhf="same")
+    param_dtype: str = setting("bf16", "training dtype (fp32 is this project's addition, for CPU runs)",
+                               choices=("bf16", "fp16", "fp32"), openrlhf="differs: fp32 is also accepted")
+    adam_offload: bool = setting(False, "DeepSpeed: keep the optimizer state in CPU memory (cuda only)",
+                                 openrlhf="same")
+    grad_accum_dtype: Optional[str] = setting(None, "DeepSpeed gradient accumulation dtype (fp32, bf16, fp16)",
+                                              type=str, choices=("fp32", "bf16", "fp16"), openrlhf="same")
+    overlap_comm: bool = setting(False, "DeepSpeed ZeRO: overlap gradient reduction with the backward pass",
+                                 openrlhf="same")
+    zpg: int = setting(1, "DeepSpeed ZeRO++ hierarchical partition size (zero_hpz_partition_size)", range=">= 1",
+                       openrlhf="same")
+    attn_implementation: str = setting("flash_attention_2", "attention kernel of the trainer's model (transformers' "
+                                                            "attn_implementation); flash attention needs cuda and "
+                                                            "the flash_attn package: without them sdpa is used",
+                                       openrlhf="differs: flash_attention_* becomes sdpa on cpu, or where flash_attn "
+                                                "is not installed (this project does not install it)")
+    experts_implementation: Optional[str] = setting(None, "MoE expert kernels (transformers' experts_implementation)",
+                                                    type=str, choices=("eager", "batched_mm", "grouped_mm", "deepgemm"),
+                                                    openrlhf="same")
+    enable_sleep: bool = setting(False, "offload DeepSpeed states while colocated engines generate",
+                                 openrlhf="differs: no effect in the async modes (no engine shares the trainer's "
+                                          "devices); refused in sync mode (the hybrid engine is not built)")
+    tensor_parallel_size: int = setting(1, "DeepSpeed AutoTP size", openrlhf=_SPEED_ONLY)
+    ring_attn_size: int = setting(1, "ring attention group size", openrlhf=_SPEED_ONLY)
+    ring_attn_head_stride: int = setting(1, "ring attention heads per step", openrlhf=_SPEED_ONLY)
+    use_liger_kernel: bool = setting(False, "Liger kernels", openrlhf=_SPEED_ONLY)
+    deepcompile: bool = setting(False, "DeepSpeed DeepCompile", openrlhf=_SPEED_ONLY)
+    packing_samples: bool = setting(False, "pack samples without padding", openrlhf=_ISSUE_18)
+    use_universal_ckpt: bool = setting(False, "DeepSpeed universal checkpoints",
+                                       openrlhf="no effect: checkpoints resume with the same number of ranks")
+    load_in_4bit: bool = setting(False, "QLoRA 4-bit base weights", openrlhf="refused: LoRA/QLoRA is not built")
+    lora_rank: int = setting(0, "LoRA rank; 0: full fine-tuning", flag="ds.lora.rank",
+                             openrlhf="refused: LoRA is not built")
+    lora_alpha: int = setting(16, "LoRA alpha", flag="ds.lora.alpha", openrlhf="no effect: LoRA is not built")
+    lora_dropout: float = setting(0.0, "LoRA dropout", flag="ds.lora.dropout", openrlhf="no effect: LoRA is not built")
+    lora_target_modules: Optional[tuple] = setting("all-linear", "LoRA target modules", type=str, nargs="*",
+                                                   flag="ds.lora.target_modules",
+                                                   openrlhf="no effect: LoRA is not built")
+    value_head_prefix: str = setting("score", "value head name of a critic or reward model", openrlhf=_NO_CRITIC)
 
 
 @dataclass
 class CkptConfig:
-    output_dir: str = setting("", "where the final HF-format model is saved; empty: <run dir>/final_hf")
-    save_steps: int = setting(0, "save a resumable checkpoint (DeepSpeed state, data position, weight version, "
-                                 "random state) every N steps; 0: none")
-    path: str = setting("", "folder of the resumable checkpoints; empty: <run dir>/ckpt")
-    resume: bool = setting(False, "continue from the newest checkpoint in --ckpt.path (an error when there is none); "
-                                  "its records are cut back to that checkpoint's step")
-    max_num: int = setting(2, "resumable checkpoints kept; older ones are deleted")
+    output_dir: str = setting("./ckpt", "where the final HF-format model is saved ({run_dir} is replaced by the run "
+                                        "folder)", openrlhf="same")
+    path: str = setting("./ckpt/checkpoints_ppo_ray", "folder of the resumable checkpoints ({run_dir} is replaced)",
+                        openrlhf="same")
+    save_steps: int = setting(-1, "save a resumable checkpoint (DeepSpeed state, data position, weight version, "
+                                  "random state) every N steps; -1: never", range="-1 or >= 1", openrlhf="same")
+    save_hf: bool = setting(False, "also save an HF-format model in each checkpoint", openrlhf="same")
+    disable_ds: bool = setting(False, "checkpoints without DeepSpeed state (HF model only; they cannot be resumed)",
+                               openrlhf="same")
+    load_enable: bool = setting(False, "continue from the newest checkpoint in --ckpt.path when there is one (a new "
+                                       "run otherwise); the run's records are cut back to its step", openrlhf="same")
+    max_num: int = setting(3, "resumable checkpoints kept; older ones are deleted", range=">= 1", openrlhf="same")
+    max_mem: float = setting(math.inf, "disk budget of the checkpoints, in GB",
+                             openrlhf="no effect: checkpoints are bounded by --ckpt.max_num")
+    best_metric_key: str = setting("", "eval metric that picks a best checkpoint",
+                                   openrlhf="no effect: best-checkpoint saving is not built")
+
+
+_DEFAULT_WANDB_RUN = "ppo_%s" % datetime.now().strftime("%m%dT%H:%M")
 
 
 @dataclass
 class LoggerConfig:
-    use_tensorboard: bool = setting(False, "write every numeric metric as a TensorBoard scalar under <run "
-                                           "dir>/tensorboard")
-    use_wandb: bool = setting(False, "log metrics and the config to Weights & Biases from a background thread "
-                                     "(never blocks the run); run files under <run dir>/wandb")
-    wandb_project: str = setting("openrlhf_async", "W&B project", flag="logger.wandb.project")
-    wandb_run_name: str = setting("", "W&B run name; empty: --run_name", flag="logger.wandb.run_name")
+    logging_steps: int = setting(1, "send metrics to W&B and TensorBoard every N steps (metrics.jsonl has every "
+                                    "step)", range=">= 1", openrlhf="same")
+    tensorboard_dir: Optional[str] = setting(None, "write every numeric metric and the logged samples to TensorBoard "
+                                                   "here ({run_dir} is replaced); none: no TensorBoard", type=str,
+                                             openrlhf="same")
+    log_samples: int = setting(2, "groups logged per training step and eval answers per evaluation to samples.jsonl, "
+                                  "W&B and TensorBoard; 0: none", range=">= 0")
+    use_wandb: bool = setting(False, "log to Weights & Biases without --logger.wandb.key (a key from WANDB_API_KEY or "
+                                     "`wandb login`, or offline)")
+    wandb_key: Optional[str] = setting(None, "W&B API key; given, metrics go to W&B", type=str,
+                                       flag="logger.wandb.key", openrlhf="same")
+    wandb_org: Optional[str] = setting(None, "W&B entity", type=str, flag="logger.wandb.org", openrlhf="same")
+    wandb_group: Optional[str] = setting(None, "W&B group", type=str, flag="logger.wandb.group", openrlhf="same")
+    wandb_project: str = setting("openrlhf_train_ppo", "W&B project", flag="logger.wandb.project", openrlhf="same")
+    wandb_run_name: str = setting(_DEFAULT_WANDB_RUN, "W&B run name", flag="logger.wandb.run_name",
+                                  openrlhf="same")
     wandb_mode: str = setting("", "online, offline or disabled; empty: env WANDB_MODE if set, else online when an "
                                   "API key is found (WANDB_API_KEY or a netrc entry for api.wandb.ai), else offline",
                               choices=("", "online", "offline", "disabled"))
+
+    @property
+    def wandb_enabled(self) -> bool:
+        return self.use_wandb or bool(self.wandb_key)
 
 
 @dataclass
 class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -249,9 +548,11 @@ class Config:
     ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    mode: str = setting("sync", "sync (generate, train, sync), async (generation runs up to --train.async_queue_size "
-                                "batches ahead) or fully_async (streaming groups under staleness bounds, optional "
-                                "partial rollout)", choices=("sync", "async", "fully_async"))
+    mode: Optional[str] = setting(None, "sync (generate, train, sync), async (generation runs up to "
+                                        "--train.async_queue_size batches ahead) or fully_async (streaming groups "
+                                        "under staleness bounds, optional partial rollout); none: from "
+                                        "--train.async_enable and --train.partial_rollout_enable", type=str,
+                                  choices=("sync", "async", "fully_async"))
     device: str = setting("", "cpu or cuda; empty: cuda if available (env DEVICE overrides)",
                           choices=("", "cpu", "cuda"))
     run_name: str = setting("demo", "the run folder under --runs_dir: a plain folder name")
@@ -264,18 +565,33 @@ class Config:
     overwrite: bool = setting(False, "start a fresh run even where an earlier run left its records (metrics, "
                                      "timeline, prompts, final model, checkpoints): they are deleted first. Without "
                                      "it such a run folder is refused")
+    local_rank: int = setting(-1, "DeepSpeed launcher's rank", openrlhf="no effect: ranks are Ray actors here")
+    use_ms: bool = setting(False, "fetch models from ModelScope",
+                           openrlhf="refused: ModelScope is not supported; give a local model folder")
 
     @property
     def run_dir(self) -> str:
         return os.path.join(self.runs_dir, self.run_name)
 
+    def in_run(self, path: Optional[str]) -> Optional[str]:
+        """A path flag with {run_dir} replaced by the run folder."""
+        return path.replace("{run_dir}", self.run_dir) if path else path
+
     @property
     def ckpt_path(self) -> str:
-        return self.ckpt.path or os.path.join(self.run_dir, "ckpt")
+        return self.in_run(self.ckpt.path)
+
+    @property
+    def output_dir(self) -> str:
+        return self.in_run(self.ckpt.output_dir)
+
+    @property
+    def num_engines(self) -> int:
+        return 1 if self.vllm.num_engines is None else self.vllm.num_engines
 
     @property
     def max_concurrent_prompts(self) -> int:
-        return self.rollout.max_concurrent_prompts or 2 * self.rollout.batch_size
+        return self.rollout.vllm_generate_batch_size or self.rollout.batch_size
 
     @property
     def queue_size(self) -> int:
@@ -283,11 +599,16 @@ class Config:
 
     @property
     def backend(self) -> str:
-        return self.vllm.sync_backend or ("nccl" if self.device == "cuda" else "gloo")
+        return "gloo" if self.device != "cuda" else self.vllm.sync_backend
 
     @property
     def dtype(self) -> str:
-        return self.ds.param_dtype or ("bf16" if self.device == "cuda" else "fp32")
+        return self.ds.param_dtype
+
+    def budget(self, prompt_len: int) -> int:
+        """A prompt's response budget: --rollout.max_new_tokens, within --data.max_len with the prompt."""
+        room = self.data.max_len - prompt_len
+        return min(self.rollout.max_new_tokens, room) if self.rollout.max_new_tokens else room
 
 
 def _walk(cls, prefix=""):
@@ -306,7 +627,13 @@ def settings() -> dict:
 def float_flags() -> dict:
     """{flag: dotted field name} of every float setting (and float pair)."""
     return {flag: name for flag, (name, f) in settings().items()
-            if isinstance(f.default, float) or isinstance(f.default, tuple) and isinstance(f.default[0], float)}
+            if _value_type(f) is float}
+
+
+def _value_type(f):
+    if f.metadata["type"]:
+        return f.metadata["type"]
+    return type(f.default[0]) if isinstance(f.default, tuple) else type(f.default)
 
 
 def _get(obj, name: str):
@@ -327,32 +654,70 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{action.help} (default: %(default)r)"
 
 
+# OpenRLHF 0.11.2 spells these negations as flags of their own.
+_NEGATIONS = {"actor.muon.no_nesterov": "actor.muon.nesterov", "critic.muon.no_nesterov": "critic.muon.nesterov"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m openrlhf_async.cli.train_async",
-        description="Asynchronous agentic RL with verifiable rewards (OpenRLHF-compatible flags).",
+        description="Asynchronous agentic RL with verifiable rewards (OpenRLHF-compatible flags). Flags may also "
+                    "come from a file: @openrlhf_async/presets/tiny_cpu.args.",
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # a mistyped flag must fail, not silently match a longer one
     )
-    for flag, (name, f) in settings().items():
+    table = settings()
+    for flag, (name, f) in table.items():
         kwargs = dict(dest=name, default=f.default, help=f.metadata["help"].replace("%", "%%"))
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif isinstance(f.default, tuple):
-            kwargs.update(type=type(f.default[0]), nargs=len(f.default))
+        elif f.metadata["nargs"] or isinstance(f.default, tuple):
+            kwargs.update(type=_value_type(f), nargs=f.metadata["nargs"] or len(f.default))
         else:
-            kwargs.update(type=type(f.default), choices=f.metadata["choices"])
+            kwargs.update(type=_value_type(f), choices=f.metadata["choices"])
         parser.add_argument("--" + flag, **kwargs)
+    for flag, positive in _NEGATIONS.items():
+        parser.add_argument("--" + flag, dest=table[positive][0], action="store_false", default=argparse.SUPPRESS,
+                            help=f"turn --{positive} off (OpenRLHF's spelling of --no-{positive})")
     return parser
 
 
 def parse_config(argv=None) -> Config:
-    """The Config the flags give; a bad flag raises ConfigError (--help prints and exits)."""
+    """The Config the flags give (older OpenRLHF spellings are translated, each with a notice); a bad flag raises
+    ConfigError (--help prints and exits)."""
+    from openrlhf_async.compat import translate_old_spellings
+
+    argv = expand_preset_files(list(sys.argv[1:] if argv is None else argv))
     cfg = Config()
-    for name, value in vars(build_parser().parse_args(argv)).items():
+    for name, value in vars(build_parser().parse_args(translate_old_spellings(argv))).items():
         section, _, leaf = name.rpartition(".")
         setattr(_get(cfg, section), leaf, tuple(value) if isinstance(value, list) else value)
     return cfg
+
+
+def preset_path(name: str) -> str:
+    """The flags file of one of the project's presets (openrlhf_async/presets/<name>.args)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets", f"{name}.args")
+
+
+def preset_config(name: str = "tiny_cpu", *flags: str) -> Config:
+    """The config of one of the project's presets plus flags (not yet validated)."""
+    return parse_config(["@" + preset_path(name), *flags])
+
+
+def expand_preset_files(argv: list) -> list:
+    """@FILE arguments replaced by the flags in FILE (written as on a command line; # starts a comment)."""
+    out = []
+    for arg in argv:
+        if not arg.startswith("@"):
+            out.append(arg)
+            continue
+        try:
+            with open(arg[1:]) as f:
+                out.extend(expand_preset_files(shlex.split(f.read(), comments=True)))
+        except OSError as e:
+            raise ConfigError(f"{arg}: cannot read the flags file ({e.strerror})") from None
+    return out
 
 
 def resolve_device(requested: str) -> str:
@@ -377,16 +742,20 @@ def env_int(name: str, flag: str, default: int) -> int:
 
 
 def validate(cfg: Config) -> Config:
-    """Check every setting before any actor starts; raise ConfigError naming the flag and the fix."""
+    """Check every setting before any actor starts; raise ConfigError naming the flag and the fix. Settings that
+    follow from others (the mode, a lone correction threshold) are resolved here, once."""
     requested_device, cfg.device = cfg.device, resolve_device(cfg.device)
     _validate_environment(requested_device, cfg)
     if cfg.run_name in ("", ".", "..") or any(c in cfg.run_name for c in "/\\\0"):
         raise ConfigError(f"--run_name {cfg.run_name!r}: give a plain folder name (no path separators, not . or ..)")
-    if cfg.overwrite and cfg.ckpt.resume:
-        raise ConfigError("--overwrite deletes the earlier run's records and --ckpt.resume continues them: pass "
+    if cfg.overwrite and cfg.ckpt.load_enable:
+        raise ConfigError("--overwrite deletes the earlier run's records and --ckpt.load_enable continues them: pass "
                           "one of the two")
     _validate_settings(cfg)
+    _validate_openrlhf_support(cfg)
+    _validate_mode(cfg)
     _validate_rollout(cfg)
+    _validate_algo(cfg)
     _validate_model(cfg)
     _validate_reward_and_eval(cfg)
     _validate_pipeline(cfg)
@@ -407,22 +776,77 @@ def _validate_environment(requested_device: str, cfg: Config) -> None:
                           "~/.cache/openrlhf_async")
 
 
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
 def _validate_settings(cfg: Config) -> None:
     """Each setting on its own: its choices (argparse checks them for flags; a Config built in code too), a float's
-    finiteness, and its range."""
+    finiteness, and its range. None (an optional setting left out) passes."""
     for flag, (name, f) in settings().items():
         value, choices, rng = _get(cfg, name), f.metadata["choices"], f.metadata["range"]
+        if value is None:
+            continue
         values = value if isinstance(value, tuple) else (value,)
-        shown = " ".join(map(str, values))
         if choices and value not in choices:
             *others, last = [str(c) for c in choices if c != ""]
             raise ConfigError(f"--{flag} {value!r}: use {', '.join(others)} or {last}")
-        if not all(math.isfinite(v) for v in values if isinstance(v, float)):
-            raise ConfigError(f"--{flag} {shown}: must be a finite number")
+        if not all(math.isfinite(v) for v in values if isinstance(v, float)) and f.default != math.inf:
+            raise ConfigError(f"--{flag} {_shown(value)}: must be a finite number")
         if rng in _PAIR and not _PAIR[rng][0](*values):
-            raise ConfigError(f"--{flag} {shown}: {_PAIR[rng][1]}")
+            raise ConfigError(f"--{flag} {_shown(value)}: {_PAIR[rng][1]}")
         if rng in _EACH and not all(_EACH[rng][0](v) for v in values):
-            raise ConfigError(f"--{flag} {shown}: {'each ' if len(values) > 1 else ''}{_EACH[rng][1]}")
+            raise ConfigError(f"--{flag} {_shown(value)}: {'each ' if len(values) > 1 else ''}{_EACH[rng][1]}")
+
+
+def support(f) -> tuple:
+    """(kind, why) of an OpenRLHF flag's support: ("same", ""), ("differs", why), ("refused", why) or
+    ("no effect", why); (None, "") for a flag of this project's own."""
+    kind, _, why = (f.metadata["openrlhf"] or "").partition(": ")
+    return kind or None, why
+
+
+def _validate_openrlhf_support(cfg: Config) -> None:
+    """OpenRLHF flags this system does not build: a value other than the default is refused (it would change what is
+    trained) or noticed (it only tunes speed or memory)."""
+    for flag, (name, f) in settings().items():
+        kind, why = support(f)
+        value = _get(cfg, name)
+        if kind not in ("refused", "no effect") or value == f.default:
+            continue
+        if kind == "refused":
+            raise ConfigError(f"--{flag} {_shown(value)}: not supported here: {why}")
+        notice(f"--{flag} {_shown(value)} has no effect here: {why}")
+
+
+def _validate_mode(cfg: Config) -> None:
+    """--mode and OpenRLHF's --train.async_enable / --train.partial_rollout_enable describe the same choice."""
+    t = cfg.train
+    if cfg.mode is None:
+        if t.partial_rollout_enable and not t.async_enable:
+            raise ConfigError("--train.partial_rollout_enable needs --train.async_enable (or --mode fully_async)")
+        cfg.mode = "fully_async" if t.partial_rollout_enable else "async" if t.async_enable else "sync"
+    elif cfg.mode == "sync" and (t.async_enable or t.partial_rollout_enable):
+        raise ConfigError("--mode sync contradicts --train.async_enable / --train.partial_rollout_enable: drop one")
+    elif cfg.mode == "async" and t.partial_rollout_enable:
+        raise ConfigError("--train.partial_rollout_enable needs --mode fully_async (streaming groups continued "
+                          "across weight syncs), not --mode async")
+    t.async_enable = cfg.mode != "sync"
+    colocated = [f"--{flag}" for flag, on in (("train.colocate_all", t.colocate_all),
+                                              ("train.colocate_actor_ref", t.colocate_actor_ref),
+                                              ("ds.enable_sleep", cfg.ds.enable_sleep)) if on]
+    if colocated and cfg.mode == "sync":
+        raise ConfigError(f"{', '.join(colocated)}: in sync mode OpenRLHF runs the hybrid engine (vLLM on the "
+                          "trainer's GPUs), which is not built here; drop it, or add --train.async_enable (the "
+                          "reference model then shares the policy's devices, as it always does here)")
+    if cfg.ds.enable_sleep:
+        notice("--ds.enable_sleep has no effect in the async modes: no engine shares the trainer's devices")
+    if cfg.queue_size < 1:
+        raise ConfigError(f"--train.async_queue_size {cfg.queue_size} (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at "
+                          "least 1")
+    if cfg.queue_size != 1 and cfg.mode != "async":
+        notice(f"--train.async_queue_size {cfg.queue_size} has no effect in --mode {cfg.mode} (it bounds --mode "
+               "async; fully_async is bounded by --train.staleness_threshold)")
 
 
 def _validate_rollout(cfg: Config) -> None:
@@ -433,27 +857,134 @@ def _validate_rollout(cfg: Config) -> None:
                           f"--rollout.n_samples_per_prompt - 1 ({n - 1}); one sample cannot show a flat group")
     if screen and not cfg.algo.dynamic_filtering_enable:
         raise ConfigError(f"--rollout.screen_samples {screen} drops groups that would be flat, which only makes "
-                          f"sense with dynamic sampling: drop --no-algo.dynamic_filtering_enable or the screening")
-    if cfg.reward.overlong_buffer_len >= r.max_new_tokens:
-        raise ConfigError(f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} must be below "
-                          f"--rollout.max_new_tokens {r.max_new_tokens}")
-    if r.max_new_tokens >= cfg.data.max_len:
+                          f"sense with dynamic sampling: add --algo.dynamic_filtering_enable or drop the screening")
+    if r.max_new_tokens and r.max_new_tokens >= cfg.data.max_len:
         raise ConfigError(f"--rollout.max_new_tokens {r.max_new_tokens} must be below --data.max_len "
                           f"{cfg.data.max_len}")
-    if cfg.algo.advantage_estimator in ("group_norm", "dr_grpo") and n < 2:
-        raise ConfigError("--rollout.n_samples_per_prompt must be at least 2 for group advantages")
+    buffer = cfg.reward.overlong_buffer_len
+    if buffer and buffer >= (r.max_new_tokens or cfg.data.max_len):
+        raise ConfigError(f"--reward.overlong_buffer_len {buffer:g} must be below the response budget "
+                          f"({r.max_new_tokens or cfg.data.max_len} tokens)")
+    if cfg.num_engines < 1:
+        raise ConfigError(f"--vllm.num_engines {cfg.vllm.num_engines}: give at least 1 (generation always runs on "
+                          "vLLM engines here)")
+    t = cfg.train
+    per_step = r.batch_size * n * (t.require_batches if cfg.mode == "fully_async" else 1)
+    if t.batch_size != per_step:
+        raise ConfigError(f"--train.batch_size {t.batch_size}: must equal the samples of a rollout batch, "
+                          f"--rollout.batch_size x --rollout.n_samples_per_prompt = {per_step}: one optimizer step "
+                          "per batch (PPO mini-batches are not built yet)")
+    if t.max_epochs != 1:
+        raise ConfigError(f"--train.max_epochs {t.max_epochs}: only 1 is supported (one optimizer step per batch; "
+                          "PPO mini-batches and epochs are not built yet)")
+
+
+_GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+
+
+def _validate_algo(cfg: Config) -> None:
+    a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    if a.advantage_estimator == "gae":
+        raise ConfigError("--algo.advantage.estimator gae (OpenRLHF's default) needs a critic, which is not trained "
+                          "here: choose group_norm, reinforce_baseline, rloo, dr_grpo, reinforce or flash_reinforce")
+    if a.advantage_estimator in _GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(f"--algo.advantage.estimator {a.advantage_estimator} compares a prompt's samples with each "
+                          f"other: --rollout.n_samples_per_prompt must be at least 2 (got {n})")
+    if a.dynamic_filtering_enable and n < 2:
+        raise ConfigError("--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt of at least 2")
+    if a.dynamic_filtering_rule == "std" and a.dynamic_filtering_range != (0.0, 1.0):
+        raise ConfigError("--algo.dynamic_filtering_range is read by the mean_range rule only: drop it, or use "
+                          "--algo.dynamic_filtering_rule mean_range")
+    if a.advantage_gamma != 1.0:
+        if a.advantage_estimator == "reinforce":
+            raise ConfigError(f"--algo.advantage.gamma {a.advantage_gamma}: only 1 is supported (a discount over "
+                              "response tokens is not built)")
+        notice(f"--algo.advantage.gamma {a.advantage_gamma} is set to 1 for {a.advantage_estimator}, as OpenRLHF "
+               "does")
+        a.advantage_gamma = 1.0
+    if a.kl_init_coef > 0 and not a.kl_use_loss and a.advantage_estimator in ("reinforce", "reinforce_baseline"):
+        raise ConfigError(f"--algo.kl.init_coef {a.kl_init_coef} without --algo.kl.use_loss puts the KL in the reward, "
+                          f"which {a.advantage_estimator} whitens over the batch's tokens: not built yet; add "
+                          "--algo.kl.use_loss, set --algo.kl.init_coef 0, or use group_norm / rloo / dr_grpo")
+    threshold = tuple(a.is_correction_threshold)
+    if len(threshold) == 1:  # HIGH alone: an upper bound
+        threshold = (0.0, threshold[0])
+    if len(threshold) != 2 or threshold[0] > threshold[1]:
+        raise ConfigError(f"--algo.advantage.is_correction_threshold {_shown(a.is_correction_threshold)}: give HIGH "
+                          "or LOW HIGH with LOW <= HIGH")
+    a.is_correction_threshold = threshold
+    if a.is_correction_mode == "clip" and (a.is_correction_level == "seq" or a.is_correction_gating != "ratio"):
+        raise ConfigError("--algo.advantage.is_correction_mode clip clamps the token ratio: it needs "
+                          "--algo.advantage.is_correction_level token and --algo.advantage.is_correction_gating ratio")
+    if a.is_correction_gating != "ratio" and a.is_correction_level != "off" and threshold[0] > 0:
+        raise ConfigError(f"--algo.advantage.is_correction_gating {a.is_correction_gating} is bounded from above "
+                          "only: give --algo.advantage.is_correction_threshold HIGH")
+    if a.is_correction_level != "off" and cfg.rollout.top_p < 1:
+        notice(f"--rollout.top_p {cfg.rollout.top_p} with --algo.advantage.is_correction_level: vLLM's log-probs "
+               "are after top-p and the trainer's are not, so the correction also weighs each token by its nucleus "
+               "mass")
+    low_high = cfg.actor.eps_clip_low_high
+    if low_high and cfg.actor.eps_clip != 0.2:
+        raise ConfigError(f"--actor.eps_clip {cfg.actor.eps_clip} is overridden by --actor.eps_clip_low_high "
+                          f"{_shown(low_high)} (the preset's?): give only --actor.eps_clip_low_high LOW HIGH")
+    if cfg.actor.optim != "adam":
+        raise ConfigError(f"--actor.optim {cfg.actor.optim}: not supported here: only adam is built")
+    if cfg.actor.dual_clip is not None and cfg.actor.policy_loss_type == "gspo":
+        notice("--actor.dual_clip applies to the ppo loss's negative advantages and also to gspo here")
 
 
 def _validate_model(cfg: Config) -> None:
     # Whether the GPUs exist is checked against the Ray cluster at start (a job's driver may run on a CPU-only head).
-    if cfg.backend == "nccl" and cfg.device != "cuda":
-        raise ConfigError("--vllm.sync_backend nccl needs --device cuda; use gloo on cpu")
     model = cfg.actor.model_name_or_path
     if model and not os.path.isdir(model) and not is_hub_id(model):
         raise ConfigError(f"--actor.model_name_or_path {model}: no such model folder (give a local HF model folder, "
                           "a Hugging Face id such as Qwen/Qwen3-8B-Base, or nothing for the embedded tiny model)")
-    if model and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+    positions = _model_positions(model)
+    if isinstance(positions, int) and cfg.data.max_len > positions:
+        notice(f"--data.max_len {cfg.data.max_len} is above the model's max_position_embeddings ({positions}): "
+               f"sequences are capped at {positions} tokens")
+        cfg.data.max_len = positions
+    if cfg.device == "cpu" and cfg.ds.param_dtype == "fp16":
+        raise ConfigError("--ds.param_dtype fp16 does not train on cpu; use bf16 or fp32")
+
+
+def _model_positions(model: Optional[str]):
+    """The model's max_position_embeddings: from its folder's config.json, from the hub for an id (a model that
+    cannot be fetched fails here, before anything starts), or the embedded tiny model's."""
+    import json
+
+    if not model:
+        from openrlhf_async.models.tiny import DEFAULT_SETTINGS
+
+        return DEFAULT_SETTINGS["max_positions"]
+    if not os.path.isdir(model):
+        from transformers import AutoConfig
+
+        try:
+            return getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+        except Exception as e:  # offline, no such repository, gated, not a transformers model
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"--actor.model_name_or_path {model}: could not be fetched from the Hugging Face hub "
+                              f"({reason}); download it and give its folder") from None
+    config_file = os.path.join(model, "config.json")
+    if not os.path.isfile(config_file):
         raise ConfigError(f"--actor.model_name_or_path {model}: folder has no config.json")
+    try:
+        with open(config_file) as f:
+            return json.load(f).get("max_position_embeddings")
+    except ValueError as e:
+        raise ConfigError(f"--actor.model_name_or_path {model}: config.json is not valid JSON ({e})") from None
+
+
+def attn_implementation(wanted: str, device: str) -> str:
+    """The trainer model's attention kernel: flash attention needs cuda and the flash_attn package (which this
+    project does not install), so where either is missing the default becomes sdpa. Called where the model loads."""
+    import importlib.util
+
+    flash = wanted.startswith("flash_attention")
+    if flash and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        return "sdpa"
+    return wanted
 
 
 def is_hub_id(name: str) -> bool:
@@ -464,7 +995,8 @@ def is_hub_id(name: str) -> bool:
 
 def _validate_reward_and_eval(cfg: Config) -> None:
     r, e = cfg.reward, cfg.eval
-    for url in filter(None, (u.strip() for u in r.remote_url.split(","))):
+    remote = r.remote_url or ""
+    for url in filter(None, (u.strip() for u in remote.split(","))):
         if url.endswith(".py"):
             continue
         try:
@@ -476,8 +1008,8 @@ def _validate_reward_and_eval(cfg: Config) -> None:
             raise ConfigError(f"--reward.remote_url {url}: give http(s)://host:port/score URLs or a reward_func .py file")
         if not host:
             raise ConfigError(f"--reward.remote_url {url}: the URL has no host; give http(s)://host:port/score")
-    if "," in r.remote_url and ".py" in r.remote_url:
-        raise ConfigError(f"--reward.remote_url {r.remote_url}: a reward_func .py file cannot be mixed with URLs")
+    if "," in remote and ".py" in remote:
+        raise ConfigError(f"--reward.remote_url {remote}: a reward_func .py file cannot be mixed with URLs")
     if e.temperature == 0 and e.n_samples_per_prompt > 1:
         raise ConfigError(f"--eval.n_samples_per_prompt {e.n_samples_per_prompt} with --eval.temperature 0 draws "
                           "the same greedy answer k times; set --eval.temperature (e.g. 0.6) or k = 1")
@@ -487,14 +1019,10 @@ def _validate_reward_and_eval(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config) -> None:
     t = cfg.train
-    if cfg.queue_size < 1:
-        raise ConfigError(f"--train.async_queue_size {cfg.queue_size} (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at "
-                          "least 1")
     if t.max_staleness < -1:
         raise ConfigError(f"--train.max_staleness {t.max_staleness}: must be 0 or more (-1: the mode's bound)")
     if cfg.mode != "fully_async":
-        used = [f for f, on in (("--train.partial_rollout", t.partial_rollout),
-                                ("--train.trigger_parameter_sync_step", t.trigger_parameter_sync_step != 1),
+        used = [f for f, on in (("--train.trigger_parameter_sync_step", t.trigger_parameter_sync_step != 1),
                                 ("--train.require_batches", t.require_batches != 1)) if on]
         if used:
             raise ConfigError(f"{', '.join(used)} only apply to --mode fully_async (got --mode {cfg.mode})")
@@ -505,29 +1033,38 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError(f"--train.max_staleness {t.max_staleness} is below --train.async_queue_size "
                           f"{cfg.queue_size}: batches the queue holds would be too stale; raise one or lower the other")
     c = cfg.ckpt
-    if c.save_steps < 0 or c.max_num < 1:
-        raise ConfigError(f"--ckpt.save_steps {c.save_steps} / --ckpt.max_num {c.max_num}: need save_steps >= 0 "
-                          "(0: none) and max_num >= 1")
-    if c.save_steps % t.trigger_parameter_sync_step:
+    if c.save_steps > 0 and c.save_steps % t.trigger_parameter_sync_step:
         raise ConfigError(f"--ckpt.save_steps {c.save_steps} must be a multiple of --train.trigger_parameter_sync_step "
                           f"{t.trigger_parameter_sync_step}: a checkpoint is taken when the engines hold its weights")
+    if c.disable_ds and c.save_steps > 0 and not c.save_hf:
+        notice("--ckpt.disable_ds saves no DeepSpeed state, and without --ckpt.save_hf the checkpoints hold only the "
+               "data position: add --ckpt.save_hf to keep the weights")
 
 
 def _validate_logger(cfg: Config) -> None:
     from openrlhf_async.utils.metrics import resolve_wandb_mode, wandb_api_key_available
 
     lg = cfg.logger
-    if not lg.use_wandb:
+    if not lg.wandb_enabled:
         return
     if not lg.wandb_project:
         raise ConfigError("--logger.wandb.project is empty: give a W&B project name")
     mode = resolve_wandb_mode(lg.wandb_mode)
+    if lg.wandb_key and not lg.wandb_mode and "WANDB_MODE" not in os.environ:
+        mode = "online"
     if mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"WANDB_MODE={mode!r} (the default of --logger.wandb_mode): use online, offline or disabled")
-    if mode == "online" and not wandb_api_key_available():
-        raise ConfigError("--logger.wandb_mode online needs a W&B API key (set WANDB_API_KEY or run `wandb login`); "
-                          "or use --logger.wandb_mode offline and `wandb sync` later")
+    if mode == "online" and not (lg.wandb_key or wandb_api_key_available()):
+        raise ConfigError("--logger.wandb_mode online needs a W&B API key (--logger.wandb.key, WANDB_API_KEY or "
+                          "`wandb login`); or use --logger.wandb_mode offline and `wandb sync` later")
     lg.wandb_mode = mode  # resolved once here, so the printed config says what the run will do
+
+
+def resolve_steps(cfg: Config, num_prompts: int) -> None:
+    """--train.max_steps -1: the steps of --train.num_episodes passes over the prompts, as OpenRLHF counts them."""
+    if cfg.train.max_steps == -1:
+        per_step = cfg.rollout.batch_size * (cfg.train.require_batches if cfg.mode == "fully_async" else 1)
+        cfg.train.max_steps = max(1, cfg.train.num_episodes * num_prompts // per_step)
 
 
 def config_with(cfg, **sections):
@@ -538,7 +1075,11 @@ def config_with(cfg, **sections):
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as written to config.json, the dry-run report and the loggers: secrets (the W&B key) hidden."""
+    data = dataclasses.asdict(cfg)
+    if data["logger"]["wandb_key"]:
+        data["logger"]["wandb_key"] = "<hidden>"
+    return data
 
 
 def default_cache_dir(cfg: Optional[Config] = None) -> str:

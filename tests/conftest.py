@@ -64,16 +64,19 @@ def ray_cluster():
     ray.shutdown()
 
 
+def preset_config(*flags, validated: bool = True):
+    """The tests' config: the tiny CPU preset (the demo's settings; the defaults are OpenRLHF's) plus flags."""
+    from openrlhf_async.config import preset_config as preset
+    from openrlhf_async.config import validate
+
+    cfg = preset("tiny_cpu", *flags)
+    return validate(cfg) if validated else cfg
+
+
 @pytest.fixture(scope="session")
 def stack_cfg():
-    from openrlhf_async.config import Config, validate
-
-    cfg = Config()
-    cfg.device = "cpu"
-    cfg.vllm.num_engines = 2
-    cfg.actor.num_gpus_per_node = 2
-    cfg.agent.step_timeout = 2.0  # the agent tests' hanging step must time out quickly
-    return validate(cfg)
+    # The agent tests' hanging step must time out quickly.
+    return preset_config("--vllm.num_engines", "2", "--agent.step_timeout", "2")
 
 
 @pytest.fixture(scope="session")

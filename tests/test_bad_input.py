@@ -7,10 +7,12 @@ import sys
 import pytest
 
 from openrlhf_async.cli.train_async import main
+from openrlhf_async.config import preset_path, settings
 
 
 def run_cli(tmp_path, *flags):
-    return main(["--runs_dir", str(tmp_path / "runs"), "--no-progress", *flags])
+    """The command with the tests' preset (the demo's settings) and flags."""
+    return main(["@" + preset_path("tiny_cpu"), "--runs_dir", str(tmp_path / "runs"), "--no-progress", *flags])
 
 
 @pytest.mark.parametrize(
@@ -19,24 +21,30 @@ def run_cli(tmp_path, *flags):
         (["--actor.model_name_or_path", "/no/such/model"], "--actor.model_name_or_path /no/such/model: no such model folder"),
         (["--data.prompt_dataset", "/no/such.jsonl"], "--data.prompt_dataset /no/such.jsonl: no such file"),
         (["--rollout.n_samples_per_prompt", "0"], "--rollout.n_samples_per_prompt 0: must be at least 1"),
-        (["--vllm.num_engines", "-1"], "--vllm.num_engines -1: must be at least 1"),
+        (["--vllm.num_engines", "0"], "--vllm.num_engines 0: give at least 1"),
         (["--rollout.max_new_tokens", "300"], "--rollout.max_new_tokens 300 must be below --data.max_len"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-        (["--algo.advantage.estimator", "gae"], "argument --algo.advantage.estimator: invalid choice: 'gae'"),
+        (["--algo.advantage.estimator", "gae"], "--algo.advantage.estimator gae (OpenRLHF's default) needs a critic"),
+        (["--algo.advantage.estimator", "ppo"], "argument --algo.advantage.estimator: invalid choice: 'ppo'"),
         (["--agent.step_timeout", "0"], "--agent.step_timeout 0.0: must be above 0"),
         (["--algo.dynamic_filtering_range", "1", "0"], "--algo.dynamic_filtering_range 1.0 0.0: the low end"),
-        (["--reward.overlong_buffer_len", "8"], "--reward.overlong_buffer_len 8 must be below"),
+        (["--reward.overlong_buffer_len", "8"], "--reward.overlong_buffer_len 8 must be below the response budget"),
         (["--train.agent_func_path", "/no/agent.py"], "--train.agent_func_path /no/agent.py: no such file"),
         (["--mode", "overlapped"], "argument --mode: invalid choice: 'overlapped'"),
         (["--train.async_queue_size", "0"], "--train.async_queue_size 0 (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at"),
         (["--train.max_staleness", "-2"], "--train.max_staleness -2: must be 0 or more"),
         (["--train.staleness_threshold", "-0.5"], "--train.staleness_threshold -0.5: must not be negative"),
-        (["--train.partial_rollout"], "--train.partial_rollout only apply to --mode fully_async (got --mode sync)"),
+        (["--train.partial_rollout_enable"], "--train.partial_rollout_enable needs --train.async_enable"),
+        (["--train.require_batches", "2"], "--train.require_batches only apply to --mode fully_async (got --mode sync)"),
         (["--mode", "async", "--train.async_queue_size", "2", "--train.max_staleness", "1"],
          "--train.max_staleness 1 is below --train.async_queue_size 2"),
         (["--train.max_staleness", "2"], "--train.max_staleness 2 contradicts --mode sync"),
-        (["--algo.off_policy_correction", "vtrace"], "argument --algo.off_policy_correction: invalid choice: 'vtrace'"),
-        (["--algo.icepop_band", "2", "0.5"], "--algo.icepop_band 2.0 0.5: need 0 < low < 1 < high"),
+        (["--algo.advantage.is_correction_mode", "vtrace"],
+         "argument --algo.advantage.is_correction_mode: invalid choice: 'vtrace'"),
+        (["--algo.advantage.is_correction_threshold", "2", "0.5"],
+         "--algo.advantage.is_correction_threshold 2.0 0.5: give HIGH or LOW HIGH with LOW <= HIGH"),
+        (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+         "--algo.advantage.is_correction_mode clip clamps the token ratio"),
         (["--reward.remote_url", "ftp://host/score"], "--reward.remote_url ftp://host/score: give http(s)://"),
         (["--reward.remote_url", "/no/reward.py"], "--reward.remote_url /no/reward.py: no such file"),
         (["--reward.timeout", "0"], "--reward.timeout 0.0: must be above 0 seconds"),
@@ -47,12 +55,17 @@ def run_cli(tmp_path, *flags):
         (["--rollout.screen_samples", "1"], "--rollout.screen_samples 1: use 0 (off) or a number from 2"),
         (["--rollout.screen_samples", "4", "--no-algo.dynamic_filtering_enable"],
          "--rollout.screen_samples 4 drops groups that would be flat, which only makes sense with dynamic sampling"),
+        (["--reward.stop_properly_penalty_coef", "2"], "--reward.stop_properly_penalty_coef 2.0: must not be above 1"),
+        (["--actor.dual_clip", "0.5"], "--actor.dual_clip 0.5: must be above 1"),
+        (["--algo.kl.init_coef", "0.01", "--algo.advantage.estimator", "reinforce_baseline"],
+         "--algo.kl.init_coef 0.01 without --algo.kl.use_loss puts the KL in the reward"),
         (["--reward.workers", "0"], "--reward.workers 0: must be at least 1"),
         (["--eval.n_samples_per_prompt", "4"], "--eval.n_samples_per_prompt 4 with --eval.temperature 0 draws"),
         (["--eval.max_new_tokens", "256"], "--eval.max_new_tokens 256 must be below --data.max_len 256"),
         (["--actor.model_name_or_path", "./no/model"], "--actor.model_name_or_path ./no/model: no such model folder"),
         (["--logger.wandb_mode", "sometimes"], "argument --logger.wandb_mode: invalid choice: 'sometimes'"),
-        (["--ckpt.save_steps", "-1"], "--ckpt.save_steps -1 / --ckpt.max_num 2: need save_steps >= 0"),
+        (["--ckpt.save_steps", "0"], "--ckpt.save_steps 0: use -1 (never) or a number of steps from 1"),
+        (["--eval.steps", "0"], "--eval.steps 0: use -1 (never) or a number of steps from 1"),
         (["--mode", "fully_async", "--train.trigger_parameter_sync_step", "2", "--ckpt.save_steps", "3"],
          "--ckpt.save_steps 3 must be a multiple of --train.trigger_parameter_sync_step 2"),
     ],
@@ -144,12 +157,12 @@ def test_checkpoints_that_cannot_continue_the_run_are_refused_before_anything_st
     _fake_checkpoint(ckpt, 4)
     (ckpt / "step_6.partial").mkdir()  # cut short by a kill: never resumed from
     assert run_cli(tmp_path, "--ckpt.save_steps", "2") == 2
-    assert "holds checkpoints of an earlier run (newest: step 4): pass --ckpt.resume" in capsys.readouterr().err
-    assert run_cli(tmp_path, "--ckpt.resume", "--train.max_steps", "4") == 2
+    assert "holds checkpoints of an earlier run (newest: step 4): pass --ckpt.load_enable" in capsys.readouterr().err
+    assert run_cli(tmp_path, "--ckpt.load_enable", "--train.max_steps", "4") == 2
     assert "has trained 4 steps already; raise --train.max_steps (now 4)" in capsys.readouterr().err
-    assert run_cli(tmp_path, "--ckpt.resume", "--train.seed", "7") == 2
+    assert run_cli(tmp_path, "--ckpt.load_enable", "--train.seed", "7") == 2
     assert "with --train.seed 42, this run has 1618 and 7; resume with the same" in capsys.readouterr().err
-    assert run_cli(tmp_path, "--ckpt.resume", "--dry_run") == 0
+    assert run_cli(tmp_path, "--ckpt.load_enable", "--dry_run") == 0
     report = json.loads(capsys.readouterr().out.rsplit("\ndry run:", 1)[0])
     assert report["resume_from"] == {"path": str(ckpt / "step_4"), "step": 4}
 
@@ -164,7 +177,8 @@ def dry_run(tmp_path, *flags):
     [
         (["--train.staleness_threshold", "nan"], "--train.staleness_threshold nan: must be a finite number"),
         (["--actor.adam.lr", "inf"], "--actor.adam.lr inf: must be a finite number"),
-        (["--algo.icepop_band", "0.5", "inf"], "--algo.icepop_band 0.5 inf: must be a finite number"),
+        (["--algo.advantage.is_correction_threshold", "0.5", "inf"],
+         "--algo.advantage.is_correction_threshold 0.5 inf: must be a finite number"),
         (["--algo.dynamic_filtering_range", "nan", "1"], "--algo.dynamic_filtering_range nan 1.0: must be a finite"),
         (["--actor.adam.betas", "0.9", "1"], "--actor.adam.betas 0.9 1.0: each must be in [0, 1)"),
         (["--actor.adam.betas", "-0.1", "0.95"], "--actor.adam.betas -0.1 0.95: each must be in [0, 1)"),
@@ -186,23 +200,24 @@ def test_bad_values_fail_a_dry_run_with_one_line(tmp_path, capsys, flags, expect
 
 
 def _float_flag_defaults():
-    """{flag: default} of every float flag, found as validation finds them (walking the config dataclasses)."""
-    from openrlhf_async.config import Config, float_flags
+    """{flag: how many values it takes} of every float flag that has an effect, found as validation finds them
+    (walking the config dataclasses)."""
+    from openrlhf_async.config import float_flags, settings, support
 
-    defaults = {}
-    for flag, name in float_flags().items():
-        value = Config()
-        for part in name.split("."):
-            value = getattr(value, part)
-        defaults[flag] = value
-    return defaults
+    counts = {}
+    for flag in float_flags():
+        f = settings()[flag][1]
+        if support(f)[0] != "no effect":
+            nargs = f.metadata["nargs"]
+            counts[flag] = nargs if isinstance(nargs, int) else len(f.default) if isinstance(f.default, tuple) else 1
+    return counts
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_every_float_flag_rejects_nan_and_inf(tmp_path, capsys, bad):
     failed = {}
-    for flag, default in _float_flag_defaults().items():
-        values = [bad] * (len(default) if isinstance(default, tuple) else 1)
+    for flag, count in _float_flag_defaults().items():
+        values = [bad] * count
         code = dry_run(tmp_path, f"--{flag}", *values)
         err = capsys.readouterr().err.strip()
         if code != 2 or err != f"error: --{flag} {' '.join(map(str, map(float, values)))}: must be a finite number":
@@ -211,9 +226,7 @@ def test_every_float_flag_rejects_nan_and_inf(tmp_path, capsys, bad):
 
 
 def test_every_float_flag_has_a_range():
-    from openrlhf_async.config import float_flags, settings
-
-    assert [flag for flag in float_flags() if not settings()[flag][1].metadata["range"]] == []
+    assert [flag for flag in _float_flag_defaults() if not settings()[flag][1].metadata["range"]] == []
 
 
 @pytest.mark.parametrize(
@@ -248,9 +261,9 @@ def test_a_corrupt_checkpoint_state_is_one_line_naming_the_file(tmp_path, capsys
     _fake_checkpoint(ckpt, 4)
     state = ckpt / "step_4" / "trainer_state.json"
     state.write_bytes(content)
-    assert dry_run(tmp_path, "--ckpt.resume") == 2
+    assert dry_run(tmp_path, "--ckpt.load_enable") == 2
     err = capsys.readouterr().err.strip()
-    assert f"--ckpt.resume: {state} {expected}" in err and len(err.splitlines()) == 1, err
+    assert f"--ckpt.load_enable: {state} {expected}" in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
@@ -288,7 +301,7 @@ def test_a_user_file_that_hangs_or_exits_at_import_is_one_line(tmp_path, flag, b
     # The real command, with the import timeout shortened; a hang would outlast the subprocess timeout.
     program = ("import sys; import openrlhf_async.utils.user_files as u; u.IMPORT_TIMEOUT_S = 3; "
                "from openrlhf_async.cli.train_async import main; sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", program, "--dry_run", "--device", "cpu", "--runs_dir",
+    proc = subprocess.run([sys.executable, "-c", program, "@" + preset_path("tiny_cpu"), "--dry_run", "--runs_dir",
                            str(tmp_path / "runs"), flag, str(path)], capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and f"error: {flag} {path}: {expected}" in err and len(err.splitlines()) == 1, err

@@ -18,9 +18,10 @@ def test_every_flag_in_help_shows_its_help_and_default():
     options = text.split("\noptions:\n", 1)[1]
     entries = re.split(r"\n(?=  --)", options)[1:]  # one entry per flag, from its option strings to its help's end
     flags = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries}
-    assert set(flags) == {"--" + flag for flag in settings()}
-    assert [flag for flag, entry in flags.items() if "(default: " not in entry] == []
-    assert "(default: '')" in flags["--actor.model_name_or_path"]  # an empty default is visible, not blank
+    assert set(flags) == {"--" + flag for flag in settings()} | {"--" + flag for flag in config._NEGATIONS}
+    assert [flag for flag, entry in flags.items() if "(default: " not in entry and flag[2:] not in config._NEGATIONS] == []
+    assert "(default: None)" in flags["--actor.model_name_or_path"]  # an empty default is visible, not blank
+    assert "(default: '')" in flags["--device"]
     assert "--no-rollout.early_stop" in flags["--rollout.early_stop"]
 
 
@@ -57,5 +58,5 @@ def test_argparse_rejects_bad_choices_and_types_in_one_line(flags, expected):
 def test_a_config_built_in_code_is_held_to_the_same_choices():
     cfg = config.Config()
     cfg.algo.dynamic_filtering_rule = "median"
-    with pytest.raises(ConfigError, match=r"^--algo.dynamic_filtering_rule 'median': use std or mean_range$"):
+    with pytest.raises(ConfigError, match=r"^--algo.dynamic_filtering_rule 'median': use mean_range or std$"):
         config._validate_settings(cfg)

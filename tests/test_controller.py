@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from openrlhf_async.config import Config, config_with
+from conftest import preset_config
+from openrlhf_async.config import config_with
 from openrlhf_async.reward.shaping import overlong_penalty
 from openrlhf_async.rollout.batch import AgentFailureError
 from openrlhf_async.rollout.controller import LoadBalancer, LocalHandle, RolloutController
@@ -95,8 +96,8 @@ class DyingEngine(FakeEngine):
 
 def _controller(engines, rollout=(), algo=(), agent=(), reward=(), **kwargs):
     """Settings by config section; unless told: n 2, budget 8, 4 prompts in flight, any share of errors allowed."""
-    rollout = {"n_samples_per_prompt": 2, "max_new_tokens": 8, "max_concurrent_prompts": 4, **dict(rollout)}
-    cfg = config_with(Config(), rollout=rollout, algo=dict(algo), vllm={"max_concurrency": 64},
+    rollout = {"n_samples_per_prompt": 2, "max_new_tokens": 8, "vllm_generate_batch_size": 4, **dict(rollout)}
+    cfg = config_with(preset_config(validated=False), rollout=rollout, algo=dict(algo), vllm={"max_concurrency": 64},
                       agent={"max_error_ratio": 1.0, **dict(agent)}, reward={"max_error_ratio": 1.0, **dict(reward)})
     return RolloutController(cfg, [LocalHandle(e) for e in engines], sampling={}, **kwargs)
 
@@ -198,7 +199,7 @@ def test_balancer_sends_to_least_loaded_engine_under_capacity():
 def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
     started = []  # across both engines, in the order the groups reached them
     engines = [FakeEngine(started), FakeEngine(started)]
-    c = _controller(engines, rollout=dict(max_concurrent_prompts=4))
+    c = _controller(engines, rollout=dict(vllm_generate_batch_size=4))
     # Three quick valid groups, one flat group, then slow groups that should be aborted, never waited for.
     labels = [{"delay": 0.01, "scores": VALID}, {"delay": 0.01, "scores": FLAT}, {"delay": 0.02, "scores": VALID},
               {"delay": 0.03, "scores": VALID}] + [{"delay": 30, "scores": VALID} for _ in range(10)]
@@ -214,9 +215,9 @@ def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
     assert c.balancer.loads == [0, 0]
 
 
-def test_at_most_max_concurrent_prompts_run_at_once():
+def test_at_most_vllm_generate_batch_size_run_at_once():
     engine = FakeEngine()
-    c = _controller([engine], rollout=dict(max_concurrent_prompts=2))
+    c = _controller([engine], rollout=dict(vllm_generate_batch_size=2))
     peak = 0
 
     async def watch():
@@ -277,7 +278,7 @@ def test_only_a_lost_actor_counts_as_an_engine_death():
 
 def test_groups_of_an_engine_that_dies_restart_from_their_prompts_on_a_live_engine():
     live, dying = FakeEngine(), DyingEngine(after_starts=2)
-    c = _controller([live, dying], rollout=dict(max_concurrent_prompts=4))
+    c = _controller([live, dying], rollout=dict(vllm_generate_batch_size=4))
     dying.known_dead = lambda: 1 in c.dead_engines
     labels = [{"delay": 0.2, "scores": VALID} for _ in range(20)]
     groups, m = c.run(_source(labels), target=4)
@@ -326,9 +327,9 @@ def test_reward_failures_are_counted_apart_from_agent_failures_and_stop_past_the
 
 def test_admission_margin_starts_extra_groups_and_aborts_them():
     labels = [{"delay": 0.01, "scores": VALID}] * 4 + [{"delay": 30, "scores": VALID}] * 8
-    _, exact = _controller([FakeEngine()], rollout=dict(max_concurrent_prompts=16), algo=NO_FILTER).run(
+    _, exact = _controller([FakeEngine()], rollout=dict(vllm_generate_batch_size=16), algo=NO_FILTER).run(
         _source(labels), 4)
-    _, extra = _controller([FakeEngine()], rollout=dict(max_concurrent_prompts=16, admission_margin=1.0),
+    _, extra = _controller([FakeEngine()], rollout=dict(vllm_generate_batch_size=16, admission_margin=1.0),
                            algo=NO_FILTER).run(_source(labels), 4)
     assert exact["rollout/groups_started"] == 4 and exact["rollout/groups_aborted"] == 0
     assert extra["rollout/groups_started"] == 8 and extra["rollout/groups_aborted"] == 4
@@ -336,7 +337,7 @@ def test_admission_margin_starts_extra_groups_and_aborts_them():
 
 def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
     engine = FakeEngine()
-    c = _controller([engine], rollout=dict(max_concurrent_prompts=8, admission_margin=1.0, unbiased_early_stop=True),
+    c = _controller([engine], rollout=dict(vllm_generate_batch_size=8, admission_margin=1.0, unbiased_early_stop=True),
                     algo=NO_FILTER, carry_over=True)
     # Batch 1 fills with two quick groups while two slow ones run; they must finish into batch 2, not be aborted.
     # (Unbiased, so batch 2 is a prefix of the start order; the biased rule would prefer quicker new groups.)
@@ -363,7 +364,7 @@ def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
 
 def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted():
     live, dying = FakeEngine(), DyingEngine()
-    c = _controller([live, dying], rollout=dict(max_concurrent_prompts=8, admission_margin=1.0,
+    c = _controller([live, dying], rollout=dict(vllm_generate_batch_size=8, admission_margin=1.0,
                                                   unbiased_early_stop=True), algo=NO_FILTER, carry_over=True)
     dying.known_dead = lambda: 1 in c.dead_engines
     # Batch 1: two quick groups, while one slow group runs on each engine and is carried over.
@@ -408,14 +409,11 @@ def test_the_generator_skips_flat_prompts_and_records_what_it_passed_over():
     """GenerateSamplesActor's batches (run in-process on a fake engine): a prompt whose group came out flat is
     passed over at --rollout.skip_flat_prompts when its turn comes again; the positions passed over count as used
     up, and each batch says which prompts came out flat for the trainer's checkpoint."""
-    from openrlhf_async.config import Config, validate
     from openrlhf_async.data.prompts import PromptSampler, StreamProgress
     from openrlhf_async.trainer.pipeline import GenerateSamplesActor
 
-    cfg = Config()
-    cfg.device, cfg.vllm.num_engines, cfg.mode = "cpu", 1, "sync"
-    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.skip_flat_prompts = 2, 2, 0.9
-    validate(cfg)
+    cfg = preset_config("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4",
+                        "--rollout.skip_flat_prompts", "0.9")
     prompts = [{"prompt_ids": [i], "label": {"delay": 0.0, "scores": FLAT if i % 2 else VALID}} for i in range(8)]
     generator = GenerateSamplesActor(cfg, [LocalHandle(FakeEngine())], prompts, queue=None)
     progress, batches = StreamProgress(), []

@@ -5,8 +5,8 @@ import time
 import pytest
 import ray
 
-from openrlhf_async.trainer.weight_sync import plan_buckets
 from conftest import unfinished
+from openrlhf_async.trainer.weight_sync import plan_buckets
 
 LONG = {"temperature": 1.0, "max_tokens": 250, "ignore_eos": True}  # the model's whole length budget
 

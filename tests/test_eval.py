@@ -21,11 +21,12 @@ def test_sampled_evaluation_on_the_engines(engines, stack_cfg, tiny_model_path):
 
     rows = make_arithmetic_rows(24, seed=5, split="eval")
     prompts = tokenize_prompts(AutoTokenizer.from_pretrained(tiny_model_path), rows, apply_chat_template=True)
-    greedy = evaluate(stack_cfg, engines, prompts)
+    greedy, groups = evaluate(stack_cfg, engines, prompts)
+    assert [len(g) for g in groups] == [1] * len(prompts)
     assert greedy["eval/mean@1"] == greedy["eval/pass@1"] == greedy["eval/accuracy"]
     cfg = copy.deepcopy(stack_cfg)
     cfg.eval.n_samples_per_prompt, cfg.eval.temperature = 8, 1.0
-    sampled = evaluate(cfg, engines, prompts)
+    sampled, _ = evaluate(cfg, engines, prompts)
     # The warm-started model answers about half right greedily and samples the right answer often: drawing 8
     # samples solves more problems than one greedy answer, and each sample is right less often than pass@8.
     assert sampled["eval/mean@8"] < sampled["eval/pass@8"]

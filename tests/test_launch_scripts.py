@@ -54,15 +54,15 @@ def _dry_run(script, data_dir, *flags):
 
 
 @pytest.mark.parametrize("script, gpus, expected", [
-    ("train_dapo_qwen3_8b_async.sh", 16, {"rollout.n_samples_per_prompt": 16, "actor.eps_clip_high": 0.28,
+    ("train_dapo_qwen3_8b_async.sh", 16, {"rollout.n_samples_per_prompt": 16, "actor.eps_clip_low_high": [0.2, 0.28],
                                            "reward.overlong_buffer_len": 4096, "rollout.max_new_tokens": 20480,
                                            "actor.adam_lr": 1e-6, "mode": "async"}),
-    ("train_fully_async_qwen25_math_7b.sh", 16, {"train.staleness_threshold": 0.5, "train.partial_rollout": True,
+    ("train_fully_async_qwen25_math_7b.sh", 16, {"train.staleness_threshold": 0.5, "train.partial_rollout_enable": True,
                                                   "train.trigger_parameter_sync_step": 4,
                                                   "train.require_batches": 4, "mode": "fully_async"}),
     ("train_tool_agent_qwen3_8b.sh", 8, {"agent.func_path": "agents/python_tool_multi_turn.py",
                                          "agent.max_steps": 4}),
-    ("train_cpu_demo.sh", 0, {"device": "cpu", "mode": "fully_async", "train.partial_rollout": True}),
+    ("train_cpu_demo.sh", 0, {"device": "cpu", "mode": "fully_async", "train.partial_rollout_enable": True}),
 ])
 def test_every_script_passes_its_dry_run(data_dir, script, gpus, expected):
     proc = _dry_run(script, data_dir)
@@ -113,7 +113,8 @@ def test_the_cpu_demo_submitted_as_a_ray_job_succeeds(tmp_path):
         runs = tmp_path / "runs"
         proc = subprocess.run(
             ["bash", os.path.join(SCRIPTS, "train_cpu_demo.sh"), "--run_name", "job", "--train.max_steps", "2",
-             "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--eval.max_samples", "16",
+             "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16",
+             "--rollout.vllm_generate_batch_size", "8", "--eval.max_samples", "16",
              "--eval.n_samples_per_prompt", "2", "--eval.temperature", "1.0"],
             env={**env, "RAY_ADDRESS": address, "RUNS_DIR": str(runs)}, capture_output=True, text=True,
             timeout=600)

@@ -1,27 +1,56 @@
-"""Advantages, the clipped policy loss and the off-policy corrections against hand-computed values."""
+"""Advantages, the policy loss, the mismatch correction and the KL terms against hand-computed values (OpenRLHF
+0.11.2's definitions)."""
 
 import math
 
+import pytest
 import torch
 
-import pytest
+from openrlhf_async.trainer.losses import (
+    aggregate,
+    approx_kl,
+    correction_weights,
+    group_advantages,
+    kl_reward_advantages,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
 
-from openrlhf_async.trainer.losses import group_advantages, importance_weights, policy_loss, token_logprobs
+OFF = {"level": "off"}
 
 
 def test_grpo_advantages_are_group_normalised():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
     adv = group_advantages(rewards, "group_norm")
     std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
-    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-9))
     assert torch.equal(adv[1], torch.zeros(4))  # a group whose rewards are all equal teaches nothing
 
 
-def test_dr_grpo_and_reinforce_baseline():
+def test_dr_grpo_rloo_and_flash_reinforce_baselines():
     rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     assert torch.equal(group_advantages(rewards, "dr_grpo"), torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
-    rb = group_advantages(rewards, "reinforce_baseline")
-    assert abs(rb.mean().item()) < 1e-6 and abs(rb.std().item() - 1) < 1e-4
+    assert torch.equal(group_advantages(rewards, "rloo"), torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
+    assert torch.equal(group_advantages(rewards, "flash_reinforce"), torch.tensor([[0.75, -0.25], [-0.25, -0.25]]))
+
+
+def test_reinforce_baseline_whitens_over_tokens_not_samples():
+    # Rewards [1, 0] with 10 and 90 response tokens: centred (0.5, -0.5), then whitened with each sample weighted by
+    # its tokens: mean -0.4, std 0.3, so (0.9 / 0.3, -0.1 / 0.3) = (3, -1/3).
+    adv = group_advantages(torch.tensor([[1.0, 0.0]]), "reinforce_baseline", lengths=torch.tensor([[10, 90]]))
+    assert torch.allclose(adv, torch.tensor([[3.0, -1 / 3]]), atol=1e-5)
+    centred = group_advantages(torch.tensor([[1.0, 0.0]]), "reinforce_baseline", no_std_norm=True,
+                               lengths=torch.tensor([[10, 90]]))
+    assert torch.allclose(centred, torch.tensor([[0.9, -0.1]]), atol=1e-6)
+    # no_std_norm means OpenRLHF's: it leaves group_norm's division alone
+    assert torch.equal(group_advantages(torch.tensor([[1.0, 0.0]]), "group_norm", no_std_norm=True),
+                       group_advantages(torch.tensor([[1.0, 0.0]]), "group_norm"))
+
+
+def test_reward_clip_range_bounds_the_advantage_before_whitening():
+    adv = group_advantages(torch.tensor([[30.0, 0.0]]), "rloo", clip_range=(-10.0, 10.0))
+    assert torch.equal(adv, torch.tensor([[10.0, -10.0]]))
 
 
 def test_clip_higher_matches_hand_computation():
@@ -29,50 +58,102 @@ def test_clip_higher_matches_hand_computation():
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))  # ratios 1.0, 1.8, 0.2
     adv = torch.tensor([[1.0, 1.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0]])
-    out = policy_loss(logp, old, old, adv, mask, 0.2, 0.28)  # behaviour == old: importance weights 1
+    out = policy_loss(logp, old, old, adv, mask, (0.2, 0.28))
     # token losses: -1.0; -min(1.8, 1.28) = -1.28; -min(-0.2, -0.8) = 0.8
-    assert out["loss"].item() == pytest.approx(-1.0 - 1.28 + 0.8, abs=1e-5)
+    assert out["token_loss"].sum().item() == pytest.approx(-1.0 - 1.28 + 0.8, abs=1e-5)
     assert out["clipped"] == 2 and out["corrected"] == 0 and out["weight"] == pytest.approx(3.0)
-    masked = policy_loss(logp, old, old, adv, torch.tensor([[1.0, 0.0, 0.0]]), 0.2, 0.28)
-    assert masked["loss"].item() == pytest.approx(-1.0, abs=1e-6)
+    masked = policy_loss(logp, old, old, adv, torch.tensor([[1.0, 0.0, 0.0]]), (0.2, 0.28))
+    assert aggregate(masked["token_loss"], torch.tensor([[1.0, 0.0, 0.0]]), "token-mean", 1, 1).item() == \
+        pytest.approx(-1.0, abs=1e-6)
 
 
-def test_importance_weights_truncate_or_mask_against_the_behaviour_policy():
-    old = torch.log(torch.tensor([0.6, 0.6, 0.6, 0.6]))
-    behaviour = torch.log(torch.tensor([0.6, 0.4, 0.2, 0.1]))  # pi_old / pi_behaviour: 1, 1.5, 3, 6
-    tis, truncated = importance_weights(old, behaviour, "tis", clamp=2.0)
-    assert torch.allclose(tis, torch.tensor([1.0, 1.5, 2.0, 2.0])) and truncated.tolist() == [False, False, True, True]
-    icepop, masked = importance_weights(old, behaviour, "icepop", band=(0.5, 2.0))
-    assert torch.allclose(icepop, torch.tensor([1.0, 1.5, 0.0, 0.0])) and masked.tolist() == [False, False, True, True]
-    none, _ = importance_weights(old, behaviour, "none")
-    assert torch.equal(none, torch.ones(4))
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    logp, old = torch.log(torch.tensor([[0.9]])), torch.log(torch.tensor([[0.1]]))  # ratio 9
+    adv, mask = torch.tensor([[-1.0]]), torch.ones(1, 1)
+    assert policy_loss(logp, old, old, adv, mask, (0.2, 0.2))["token_loss"].item() == pytest.approx(9.0, rel=1e-5)
+    assert policy_loss(logp, old, old, adv, mask, (0.2, 0.2), dual_clip=3.0)["token_loss"].item() == \
+        pytest.approx(3.0)
+
+
+def test_gspo_uses_the_sequences_mean_log_ratio():
+    logp = torch.log(torch.tensor([[0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.25, 1.0]]))  # log-ratios log 2 and log 0.5: mean 0, sequence ratio 1
+    out = policy_loss(logp, old, old, torch.ones(1, 2), torch.ones(1, 2), (0.2, 0.2), loss_type="gspo")
+    assert torch.allclose(out["token_loss"], -torch.ones(1, 2))
+
+
+def test_token_correction_clip_is_tis_and_mask_is_icepop():
+    old = torch.log(torch.tensor([[0.6, 0.6, 0.6, 0.6]]))
+    rollout = torch.log(torch.tensor([[0.6, 0.4, 0.2, 0.1]]))  # pi_train / pi_rollout: 1, 1.5, 3, 6
+    mask = torch.ones(1, 4)
+    tis, clipped = correction_weights(old, rollout, mask, "token", "clip", "ratio", (0.0, 2.0))
+    assert torch.allclose(tis, torch.tensor([[1.0, 1.5, 2.0, 2.0]])) and clipped.tolist() == [[0, 0, 1, 1]]
+    icepop, masked = correction_weights(old, rollout, mask, "token", "mask", "ratio", (0.5, 2.0))
+    assert torch.allclose(icepop, torch.tensor([[1.0, 1.5, 0.0, 0.0]])) and masked.tolist() == [[0, 0, 1, 1]]
+
+
+def test_sequence_correction_masks_whole_sequences_by_their_geometric_mean():
+    old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.1]]))  # geometric means sqrt(2) and 5
+    weights, dropped = correction_weights(old, rollout, torch.ones(2, 2), "seq", "mask", "ratio", (0.5, 2.0))
+    assert torch.allclose(weights, torch.tensor([[1.0, 2.0], [0.0, 0.0]])) and dropped.tolist() == [[0, 0], [1, 1]]
+    tv, _ = correction_weights(old, rollout, torch.ones(2, 2), "token", "mask", "tv", (0.0, 0.3))
+    assert torch.allclose(tv, torch.tensor([[1.0, 2.0], [0.0, 0.0]]))  # |p - q|: 0, 0.25 kept; 0.4, 0.4 dropped
 
 
 def test_off_policy_loss_weights_each_token_and_its_gradient():
     # One update per batch: the proximal policy is the current one, so the ratio is 1 and the gradient of a
-    # token's loss is -w * A * grad(log pi), with w the truncated importance weight.
+    # token's loss is -w * A * grad(log pi), with w the clipped importance weight.
     logits = torch.zeros(1, 3, requires_grad=True)
     logp = torch.log_softmax(logits, -1)[:, :2]  # two tokens, each with probability 1/3
-    behaviour = torch.log(torch.tensor([[1 / 3, 1 / 12]]))  # weights 1 and 4 (truncated to 2)
+    rollout = torch.log(torch.tensor([[1 / 3, 1 / 12]]))  # weights 1 and 4 (clipped to 2)
     adv, mask = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
-    out = policy_loss(logp, logp.detach(), behaviour, adv, mask, 0.2, 0.28, "tis", clamp=2.0)
-    assert out["loss"].item() == pytest.approx(-3.0) and out["corrected"] == 1 and out["clipped"] == 0
-    out["loss"].backward()
+    tis = {"level": "token", "mode": "clip", "gating": "ratio", "threshold": (0.0, 2.0)}
+    out = policy_loss(logp, logp.detach(), rollout, adv, mask, (0.2, 0.28), correction=tis)
+    loss = aggregate(out["token_loss"], mask, "token-mean", 1, 1)
+    assert loss.item() == pytest.approx(-3.0) and out["corrected"] == 1 and out["clipped"] == 0
+    loss.backward()
     # d/dlogits of -(1 * logp0 + 2 * logp1), with softmax probabilities 1/3: -(e0 + 2 e1) + 3 * (1/3, 1/3, 1/3)
     assert torch.allclose(logits.grad, torch.tensor([[0.0, -1.0, 1.0]]), atol=1e-6)
 
 
-def test_k3_kl_penalty_against_the_reference():
-    logp = torch.log(torch.tensor([[0.5]]))
-    ref = torch.log(torch.tensor([[0.25]]))  # k3 = r - log r - 1 with r = pi_ref / pi = 0.5
-    out = policy_loss(logp, logp, logp, torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.28, "none", ref_logp=ref,
-                      kl_coef=0.1)
-    k3 = 0.5 - math.log(0.5) - 1
-    assert out["kl"] == pytest.approx(k3) and out["loss"].item() == pytest.approx(0.1 * k3)
+def test_sequence_mean_aggregation_weighs_every_sequence_the_same():
+    values = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert aggregate(values, mask, "token-mean", 4, 2).item() == pytest.approx(7 / 4)
+    assert aggregate(values, mask, "seq-mean-token-mean", 4, 2).item() == pytest.approx((1 + 4) / 2)
 
 
-def test_token_logprobs_use_temperature():
+def test_kl_estimators_and_their_clamp():
+    logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
+    log_ratio = math.log(2)
+    assert approx_kl(logp, ref, "k1").item() == pytest.approx(log_ratio)
+    assert approx_kl(logp, ref, "k2").item() == pytest.approx(log_ratio**2 / 2)
+    assert approx_kl(logp, ref, "k3").item() == pytest.approx(0.5 - math.log(0.5) - 1)
+    # The issue's case: a masked prompt position with ref - logp of 95 stays finite, and k3 is capped at 10.
+    far = approx_kl(torch.tensor([[-1.0, -100.0]]), torch.tensor([[-1.2, -5.0]]), "k3")
+    assert torch.isfinite(far).all() and far[0, 1].item() == 10.0
+    assert aggregate(far, torch.tensor([[1.0, 0.0]]), "token-mean", 1, 1).isfinite()
+
+
+def test_unbiased_kl_gradient_is_the_same_for_every_estimator():
+    grads = []
+    for estimator in ("k1", "k2", "k3"):
+        logp = torch.log(torch.tensor([[0.5]])).requires_grad_()
+        approx_kl(logp, torch.log(torch.tensor([[0.25]])), estimator, logp.detach(), unbiased_gradient=True).sum().backward()
+        grads.append(logp.grad.item())
+    assert grads == pytest.approx([math.log(2)] * 3)
+
+
+def test_kl_in_the_reward_sums_each_tokens_later_penalties():
+    kl = torch.tensor([[1.0, 2.0, 3.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.allclose(kl_reward_advantages(kl, mask, 0.1), torch.tensor([[-0.6, -0.5, -0.3, 0.0]]))
+
+
+def test_token_logprobs_and_entropy_use_temperature():
     logits = torch.tensor([[[2.0, 0.0]]])
     tokens = torch.tensor([[0]])
     assert abs(token_logprobs(logits, tokens).item() - math.log(math.e**2 / (math.e**2 + 1))) < 1e-6
     assert abs(token_logprobs(logits, tokens, 2.0).item() - math.log(math.e / (math.e + 1))) < 1e-6
+    assert token_entropy(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4))

@@ -56,7 +56,8 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = str(tmp_path / "run")
-    log = MetricsLog(run_dir, 3, progress=False, logger=LoggerConfig(use_tensorboard=True), config=Config())
+    log = MetricsLog(run_dir, 3, progress=False, logger=LoggerConfig(tensorboard_dir="{run_dir}/tensorboard"),
+                     config=Config())
     log_steps(log)
 
     expected = numeric_series(read_jsonl(run_dir))
@@ -69,14 +70,14 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
         assert [e.step for e in got] == [step for step, _ in points], name
         assert [e.value for e in got] == pytest.approx([value for _, value in points]), name
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert '"run_name": "demo"' in config_text and '"use_tensorboard": false' in config_text
+    assert '"run_name": "demo"' in config_text and '"tensorboard_dir": null' in config_text
 
 
 def test_a_resumed_log_continues_every_record_after_the_checkpoint_step(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = str(tmp_path / "run")
-    tb = LoggerConfig(use_tensorboard=True)
+    tb = LoggerConfig(tensorboard_dir="{run_dir}/tensorboard")
     killed = MetricsLog(run_dir, 3, progress=False, logger=tb)
     for step in (1, 2, 3):  # the killed run got to step 3; its checkpoint is from step 1
         killed.log({"step": step, "reward/mean": 0.1 * step, "_used": {"positions": [step], "prompt_ids": [step]},

@@ -56,7 +56,7 @@ def _run(cfg, engines, policy, weight_sync, prompts, **kwargs):
     ("sync", {}, {}),
     ("async", {"async_queue_size": 2}, {}),
     # Screened groups (2 samples of 4) are dropped before the trainer, which cannot take a ragged batch.
-    ("fully_async", {"partial_rollout": True, "require_batches": 2, "trigger_parameter_sync_step": 1},
+    ("fully_async", {"partial_rollout_enable": True, "require_batches": 2, "trigger_parameter_sync_step": 1},
      {"screen_samples": 2}),
 ])
 def test_each_mode_trains_within_its_staleness_limit(restore_weights, mode, train, rollout, engines, policy, weight_sync,
@@ -166,8 +166,8 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
     from openrlhf_async.trainer import pipeline
 
     monkeypatch.setattr(pipeline, "_live_version", lambda engines: 0)
-    cfg = _cfg(stack_cfg, "fully_async", steps=3, partial_rollout=True, trigger_parameter_sync_step=2)
-    cfg.ckpt.save_steps = 0
+    cfg = _cfg(stack_cfg, "fully_async", steps=3, partial_rollout_enable=True, trigger_parameter_sync_step=2)
+    cfg.ckpt.save_steps = -1
     episode = Episode("r0", [1], response_ids=[2, 2], token_versions=[0, 0], action_mask=[1, 1], reward=1.0)
     batches = [pipeline.QueuedBatch(i, i // 2, [[episode] * 2], {"rollout/time_to_batch_s": 0.5,
                                                                   "rollout/tokens_generated": 10,

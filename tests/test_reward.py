@@ -8,10 +8,21 @@ import time
 
 import pytest
 
-from openrlhf_async.reward.math_verify_reward import (MathVerifyPool, configure_math_verify, extract_answer,
-                                                      math_score, math_verify)
-from openrlhf_async.reward.sources import (RemoteReward, RewardError, RewardFileError, RewardTimeout,
-                                           load_reward_func, make_reward)
+from openrlhf_async.reward.math_verify_reward import (
+    MathVerifyPool,
+    configure_math_verify,
+    extract_answer,
+    math_score,
+    math_verify,
+)
+from openrlhf_async.reward.sources import (
+    RemoteReward,
+    RewardError,
+    RewardFileError,
+    RewardTimeout,
+    load_reward_func,
+    make_reward,
+)
 
 # sympy tries to decide this tower equals 1 and does not come back; math-verify's own timeouts stop it only
 # where they can run (a process's main thread), so the pool is what bounds it.

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import preset_config
 from openrlhf_async.agent import StepResult
-from openrlhf_async.config import Config, config_with
+from openrlhf_async.config import config_with
 from openrlhf_async.data.prompts import load_prompts
 from openrlhf_async.reward.math_verify_reward import math_score
 from openrlhf_async.reward.sources import load_reward_func, parse_reward_output
@@ -117,7 +118,7 @@ def _label(rewards: list, source: str) -> dict:
 
 
 def _run(engine, labels: list, target: int, n: int = 2, algo=(), **kwargs):
-    cfg = config_with(Config(), rollout={"n_samples_per_prompt": n, "max_new_tokens": 64, "max_concurrent_prompts": 4,
+    cfg = config_with(preset_config(validated=False), rollout={"n_samples_per_prompt": n, "max_new_tokens": 64, "vllm_generate_batch_size": 4,
                                          "early_stop": False}, algo=dict(algo), vllm={"max_concurrency": 64},
                       agent={"max_error_ratio": 1.0}, reward={"max_error_ratio": 1.0})
     controller = RolloutController(cfg, [LocalHandle(engine)], sampling={}, **kwargs)

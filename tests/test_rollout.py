@@ -178,7 +178,7 @@ def test_a_failing_group_releases_all_load(engines, stack_cfg, prompts):
 
 
 def test_groups_start_in_prompt_order(engines, stack_cfg, prompts):
-    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_concurrent_prompts": 1},
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "vllm_generate_batch_size": 1},
                       algo={"dynamic_filtering_enable": False})
     controller = RolloutController(cfg, engines)
     groups, _ = controller.run(_source(prompts), target=3)

@@ -1,6 +1,6 @@
 """A run folder's records are never lost by accident: a fresh run refuses a folder that holds an earlier run's
-records (unless --overwrite), --ckpt.resume needs a checkpoint, records are appended, and a dry run writes
-nothing."""
+records (unless --overwrite), --ckpt.load_enable continues a checkpoint when there is one, records are appended, and
+a dry run writes nothing."""
 
 import json
 import os
@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 from openrlhf_async.cli.train_async import main, prepare
-from openrlhf_async.config import parse_config
+from openrlhf_async.config import parse_config, preset_path
+
+PRESET = "@" + preset_path("tiny_cpu")
 
 
 def run_cli(tmp_path, *flags):
-    return main(["--runs_dir", str(tmp_path / "runs"), "--no-progress", *flags])
+    return main([PRESET, "--runs_dir", str(tmp_path / "runs"), "--no-progress", *flags])
 
 
 def earlier_run(tmp_path, name="demo") -> str:
@@ -41,7 +43,8 @@ def test_a_fresh_dry_run_refuses_a_folder_with_an_earlier_runs_records(tmp_path,
     assert run_cli(tmp_path, "--dry_run") == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"error: {run_dir} holds an earlier run's records (metrics.jsonl) and no checkpoint: choose "
-                   "another --run_name, or pass --overwrite to delete them and start again"), err
+                   "another --run_name or --ckpt.path / --ckpt.output_dir, or pass --overwrite to delete them and "
+                   "start again"), err
 
 
 def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_without_save_steps(tmp_path, capsys):
@@ -49,14 +52,15 @@ def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_without_save_steps(tmp_
     assert run_cli(tmp_path, "--dry_run") == 2
     err = capsys.readouterr().err.strip()
     assert (f"{run_dir} holds an earlier run's records (metrics.jsonl, timeline.jsonl, final_hf; newest checkpoint: "
-            "step 2): pass --ckpt.resume to continue it, choose another --run_name, or pass --overwrite") in err, err
+            "step 2): pass --ckpt.load_enable to continue it, choose another --run_name or --ckpt.path / "
+            "--ckpt.output_dir, or pass --overwrite") in err, err
 
 
 def test_a_real_start_refuses_before_writing_anything(tmp_path):
     run_dir = earlier_run(tmp_path)
     before = sorted(os.walk(run_dir))
-    cfg = parse_config(["--runs_dir", str(tmp_path / "runs"), "--actor.model_name_or_path", fake_model(tmp_path),
-                        "--device", "cpu"])
+    cfg = parse_config([PRESET, "--runs_dir", str(tmp_path / "runs"), "--actor.model_name_or_path",
+                        fake_model(tmp_path)])
     try:
         prepare(cfg)
         refused = None
@@ -67,22 +71,23 @@ def test_a_real_start_refuses_before_writing_anything(tmp_path):
 
 def test_overwrite_deletes_the_earlier_runs_records_before_the_run_starts(tmp_path):
     run_dir = earlier_run(tmp_path)
-    cfg = parse_config(["--runs_dir", str(tmp_path / "runs"), "--actor.model_name_or_path", fake_model(tmp_path),
-                        "--device", "cpu", "--overwrite"])
+    cfg = parse_config([PRESET, "--runs_dir", str(tmp_path / "runs"), "--actor.model_name_or_path",
+                        fake_model(tmp_path), "--overwrite"])
     prepare(cfg)
     assert sorted(os.listdir(run_dir)) == ["ckpt", "config.json", "data"] and not os.listdir(f"{run_dir}/ckpt")
 
 
-def test_resume_without_a_checkpoint_stops(tmp_path, capsys):
-    assert run_cli(tmp_path, "--ckpt.resume", "--dry_run") == 2
+def test_load_enable_without_a_checkpoint_starts_a_new_run_and_says_so(tmp_path, capsys):
+    assert run_cli(tmp_path, "--ckpt.load_enable", "--dry_run") == 0
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: --ckpt.resume: no checkpoint in {tmp_path / 'runs' / 'demo' / 'ckpt'} to continue "
-                          "from") and len(err.splitlines()) == 1, err
+    assert err == (f"notice: --ckpt.load_enable: no checkpoint in {tmp_path / 'runs' / 'demo' / 'ckpt'}; starting a "
+                   "new run"), err
 
 
 def test_overwrite_and_resume_together_are_refused(tmp_path, capsys):
-    assert run_cli(tmp_path, "--ckpt.resume", "--overwrite", "--dry_run") == 2
-    assert "--overwrite deletes the earlier run's records and --ckpt.resume continues them" in capsys.readouterr().err
+    assert run_cli(tmp_path, "--ckpt.load_enable", "--overwrite", "--dry_run") == 2
+    assert "--overwrite deletes the earlier run's records and --ckpt.load_enable continues them" in \
+        capsys.readouterr().err
 
 
 def test_records_are_appended_never_truncated(tmp_path):
@@ -106,7 +111,7 @@ def test_a_dry_run_writes_nothing(tmp_path):
     before = sorted(os.walk(work))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as most users run it
     proc = subprocess.run(
-        [sys.executable, "-m", "openrlhf_async.cli.train_async", "--dry_run", "--device", "cpu", "--runs_dir",
+        [sys.executable, "-m", "openrlhf_async.cli.train_async", PRESET, "--dry_run", "--runs_dir",
          str(work / "runs"), "--train.agent_func_path", str(work / "agents" / "agent.py")],
         capture_output=True, text=True, timeout=120, cwd=work, env={**env, "TMPDIR": str(work / "tmp")})
     assert proc.returncode == 0 and sorted(os.walk(work)) == before, (proc.stderr[-2000:], sorted(os.walk(work)))

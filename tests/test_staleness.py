@@ -17,7 +17,7 @@ def _policy(mode, queue=1, threshold=0.0, trigger=1, require=1, max_staleness=-1
     cfg = Config()
     cfg.mode, cfg.train.async_queue_size, cfg.train.staleness_threshold = mode, queue, threshold
     cfg.train.trigger_parameter_sync_step, cfg.train.require_batches = trigger, require
-    cfg.train.max_staleness, cfg.train.partial_rollout = max_staleness, partial
+    cfg.train.max_staleness, cfg.train.partial_rollout_enable = max_staleness, partial
     return StalenessPolicy.from_config(cfg)
 
 

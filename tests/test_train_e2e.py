@@ -4,16 +4,20 @@ killed, resumed, and hit by faults."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
 
 from safetensors.torch import load_file
 
+from openrlhf_async.config import preset_path
+
 
 def _command(tmp_path, model_path, name, *flags):
-    return [sys.executable, "-m", "openrlhf_async.cli.train_async", "--actor.model_name_or_path", model_path,
-            "--vllm.num_engines", "1", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
+    return [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
+            "--actor.model_name_or_path", model_path, "--vllm.num_engines", "1", "--rollout.batch_size", "4",
+            "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16", "--rollout.vllm_generate_batch_size", "8",
             "--train.max_steps", "1000", "--eval.steps", "1000", "--eval.max_samples", "8",
             "--runs_dir", str(tmp_path / "runs"), "--run_name", name, "--no-progress", *flags]
 
@@ -57,7 +61,7 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     _write_sums(tmp_path / "train.jsonl", keys=("question", "answer"))
     _write_sums(tmp_path / "eval.jsonl", [(a, 7) for a in range(16)], keys=("question", "answer"))
     flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--eval.dataset", str(tmp_path / "eval.jsonl"),
-             "--data.input_key", "question", "--data.label_key", "answer", "--mode", "async",
+             "--data.input_key", "question", "--data.label_key", "answer", "--train.async_enable",
              "--ckpt.save_steps", "2"]
     run_dir = tmp_path / "runs" / "resume"
     proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3,
@@ -75,7 +79,7 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     resumed_from = max(int(name[5:]) for name in saved if not name.endswith(".partial"))
     assert resumed_from >= 2 and max(killed_steps) > resumed_from  # the kill lost trained steps
 
-    cmd = _command(tmp_path, tiny_model_path, "resume", *flags, "--ckpt.resume")
+    cmd = _command(tmp_path, tiny_model_path, "resume", *flags, "--ckpt.load_enable")
     last_step = resumed_from + 3
     cmd[cmd.index("--train.max_steps") + 1] = str(last_step)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
@@ -104,6 +108,13 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
           f"after resuming; duplicates {len(ids) - len(set(ids))}, skipped {max(positions) + 1 - len(set(positions))}")
     assert len(set(ids)) == len(ids), "a prompt was used twice"
     assert sorted(positions) == list(range(len(positions))), "the prompt stream has a gap or a repeat"
+
+    samples = _records(run_dir / "samples.jsonl")  # --logger.log_samples 2: two groups of 4, two eval answers
+    assert [s["step"] for s in samples if s["kind"] == "train"] == [step for step in steps for _ in range(8)]
+    assert [s["step"] for s in samples if s["kind"] == "eval"] == [0, 0, last_step, last_step]
+    sums = [re.search(r"(\d+)\+(\d+)=", s["prompt"]).groups() for s in samples]
+    assert [s["label"] for s in samples] == [str(int(a) + int(b)) for a, b in sums]
+    assert f"eval answer (step {last_step}): " in done.stdout
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_step"] == resumed_from and summary["steps"] == last_step
@@ -135,7 +146,7 @@ def test_faults_a_hung_reward_and_a_dead_engine_are_survived_a_dead_rank_stops_t
 
     _write_sums(tmp_path / "train.jsonl")
     (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
-    proc = _start_long_run(tmp_path, tiny_model_path, "faults", "--vllm.num_engines", "2", "--mode", "async",
+    proc = _start_long_run(tmp_path, tiny_model_path, "faults", "--vllm.num_engines", "2", "--train.async_enable",
                            "--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--ckpt.save_steps", "1",
                            "--reward.remote_url", str(tmp_path / "hanging_reward.py"), "--reward.timeout", "1",
                            "--reward.max_error_ratio", "0.9")
@@ -173,7 +184,7 @@ def test_faults_a_hung_reward_and_a_dead_engine_are_survived_a_dead_rank_stops_t
     ckpt = run_dir / "ckpt"
     newest = max((p for p in ckpt.iterdir() if not p.name.endswith(".partial")), key=lambda p: int(p.name[5:]))
     assert len(list((newest / "deepspeed").glob("*optim_states.pt"))) == 2
-    dry = subprocess.run(_command(tmp_path, tiny_model_path, "faults", "--ckpt.resume", "--dry_run",
+    dry = subprocess.run(_command(tmp_path, tiny_model_path, "faults", "--ckpt.load_enable", "--dry_run",
                                   "--data.prompt_dataset", str(tmp_path / "train.jsonl")),
                          capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
@@ -186,7 +197,7 @@ def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp
 
     import psutil
 
-    proc = _start_long_run(tmp_path, tiny_model_path, "interrupt", "--mode", "fully_async", "--train.partial_rollout",
+    proc = _start_long_run(tmp_path, tiny_model_path, "interrupt", "--train.async_enable", "--train.partial_rollout_enable",
                            until_step=1)
     descendants = psutil.Process(proc.pid).children(recursive=True)  # this run's Ray cluster, actors, vLLM
     assert any("VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline()) for p in descendants)

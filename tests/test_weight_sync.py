@@ -2,7 +2,7 @@
 
 import ray
 
-from openrlhf_async.config import Config
+from conftest import preset_config
 from openrlhf_async.data.prompts import tokenize_prompts
 from openrlhf_async.data.synthetic import make_arithmetic_rows
 from openrlhf_async.trainer.policy import loss_settings
@@ -29,7 +29,7 @@ def test_sync_makes_engines_match_trainer(restore_weights, engines, policy, weig
     # One real update with large advantages so the trainer's weights move away from the file the engines loaded.
     samples = [{"prompt_ids": p, "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3, "advantage": 1.0 - 2 * (i % 2)}
                for i, p in enumerate(prompts)]
-    stats = policy.train_step(samples, 2, loss_settings(Config(), correction="none"))
+    stats = policy.train_step(samples, 2, loss_settings(preset_config(validated=False), correction={"level": "off"}))
     assert stats["loss"] == stats["loss"] and stats["tokens"] == 3 * len(samples)
 
     weight_sync.sync()
@@ -60,7 +60,7 @@ def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(r
     # Move the trainer's weights well away from the engines', so old-weight tokens are told apart by their logprobs.
     samples = [{"prompt_ids": prompt, "response_ids": [20 + i, 21, 22], "logprobs": [-3.0] * 3, "advantage": 5.0}
                for i in range(4)]
-    policy.train_step(samples, 4, loss_settings(Config(), correction="none"))
+    policy.train_step(samples, 4, loss_settings(preset_config(validated=False), correction={"level": "off"}))
     engine, old = engines[0], weight_sync.version
     long = {"temperature": 1.0, "max_tokens": 180, "ignore_eos": True}
     ref = engine.generate.remote(prompt, long, "partial-0")

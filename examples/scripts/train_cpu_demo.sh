@@ -6,5 +6,6 @@
 # Usage: bash examples/scripts/train_cpu_demo.sh [--dry_run] [more flags]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
-submit --run_name cpu_demo --runs_dir "$RUNS_DIR" --device cpu --mode fully_async --train.partial_rollout \
-  --vllm.num_engines 1 --actor.num_gpus_per_node 2 --no-progress "$@"
+# The settings are the tiny CPU preset's (openrlhf_async/presets/tiny_cpu.args); later flags override them.
+submit @openrlhf_async/presets/tiny_cpu.args --run_name cpu_demo --runs_dir "$RUNS_DIR" --device cpu \
+  --train.async_enable --train.partial_rollout_enable --no-progress "$@"

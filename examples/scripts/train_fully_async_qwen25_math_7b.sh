@@ -10,17 +10,22 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
 submit \
-  --run_name fully_async_qwen25_math_7b --runs_dir "$RUNS_DIR" --device cuda --mode fully_async \
+  --run_name fully_async_qwen25_math_7b --runs_dir "$RUNS_DIR" --device cuda \
+  --train.async_enable --train.partial_rollout_enable --ckpt.output_dir "{run_dir}/final_hf" --ckpt.path "{run_dir}/ckpt" \
   --train.staleness_threshold 0.5 --train.trigger_parameter_sync_step 4 --train.require_batches 4 \
-  --train.partial_rollout --rollout.admission_margin 1 \
+  --rollout.admission_margin 1 \
   --actor.model_name_or_path "${MODEL:-Qwen/Qwen2.5-Math-7B}" \
   --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.85 \
   --actor.num_nodes 1 --actor.num_gpus_per_node 8 --ds.zero_stage 3 --ds.param_dtype bf16 \
   --data.prompt_dataset "$DATA_DIR/dapo-math-17k.jsonl" --eval.dataset "$DATA_DIR/aime24.jsonl" \
+  --data.input_key prompt --data.label_key label --data.apply_chat_template \
   --data.max_len 4096 --rollout.max_new_tokens 3072 \
-  --rollout.batch_size 32 --rollout.n_samples_per_prompt 16 --rollout.temperature 1.0 \
-  --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable --algo.off_policy_correction tis \
-  --actor.eps_clip 0.2 --actor.eps_clip_high 0.28 --actor.adam.lr 1e-6 --actor.adam.weight_decay 0.1 \
+  --rollout.batch_size 32 --rollout.n_samples_per_prompt 16 --rollout.temperature 1.0 --train.batch_size 2048 \
+  --rollout.vllm_generate_batch_size 64 --vllm.enable_prefix_caching \
+  --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable --algo.kl.init_coef 0 \
+  --algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip \
+  --algo.advantage.is_correction_threshold 0 2 \
+  --actor.eps_clip_low_high 0.2 0.28 --actor.adam.lr 1e-6 --actor.adam.weight_decay 0.1 --actor.lr_scheduler constant \
   --reward.overlong_buffer_len 512 --reward.overlong_penalty_factor 1.0 \
   --train.micro_batch_size 4 --train.max_steps 500 \
   --eval.steps 10 --eval.n_samples_per_prompt 32 --eval.temperature 1.0 --eval.top_p 0.7 \

@@ -9,16 +9,21 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
 submit \
-  --run_name tool_agent_qwen3_8b --runs_dir "$RUNS_DIR" --device cuda --mode async \
+  --run_name tool_agent_qwen3_8b --runs_dir "$RUNS_DIR" --device cuda --train.async_enable \
+  --ckpt.output_dir "{run_dir}/final_hf" --ckpt.path "{run_dir}/ckpt" \
   --actor.model_name_or_path "${MODEL:-Qwen/Qwen3-8B}" \
   --train.agent_func_path agents/python_tool_multi_turn.py --agent.max_steps 4 --agent.step_timeout 30 \
   --vllm.num_engines 4 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.85 \
   --actor.num_nodes 1 --actor.num_gpus_per_node 4 --ds.zero_stage 3 --ds.param_dtype bf16 \
   --data.prompt_dataset "$DATA_DIR/dapo-math-17k.jsonl" --eval.dataset "$DATA_DIR/aime24.jsonl" \
+  --data.input_key prompt --data.label_key label --data.apply_chat_template \
   --data.max_len 10240 --rollout.max_new_tokens 8192 \
-  --rollout.batch_size 32 --rollout.n_samples_per_prompt 8 --rollout.temperature 1.0 \
-  --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable \
-  --actor.eps_clip 0.2 --actor.eps_clip_high 0.28 --actor.adam.lr 1e-6 \
+  --rollout.batch_size 32 --rollout.n_samples_per_prompt 8 --rollout.temperature 1.0 --train.batch_size 256 \
+  --rollout.vllm_generate_batch_size 64 --vllm.enable_prefix_caching \
+  --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable --algo.kl.init_coef 0 \
+  --algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip \
+  --algo.advantage.is_correction_threshold 0 2 \
+  --actor.eps_clip_low_high 0.2 0.28 --actor.adam.lr 1e-6 --actor.lr_scheduler constant \
   --train.micro_batch_size 2 --train.max_steps 500 \
   --eval.steps 10 --eval.n_samples_per_prompt 16 --eval.temperature 1.0 --eval.top_p 0.7 \
   "$@"

@@ -1,5 +1,5 @@
-"""User agents: a step file (`step(state, action, label) -> (reward, next_state, done, extra_info)`) or an
-OpenRLHF 0.11 agent file (`AgentExecutor` built on `openrlhf.utils.agent`).
+"""User agents: a step file (`step(state, action, label) -> (reward, next_state, done, extra_info)`, or OpenRLHF
+0.8's dict-returning step) or an OpenRLHF 0.11 agent file (`AgentExecutor` built on `openrlhf.utils.agent`).
 
 The step contract, as this project defines it:
 - `state`: the episode's text so far (the prompt, then every action and observation), as the model sees it;
@@ -9,12 +9,21 @@ The step contract, as this project defines it:
   `state + action + observation`, of which only the new observation is tokenised and appended; ignored when
   done), `done` (bool) and `extra_info` (a dict, logged).
 `step` may be `async def` (run on the engine's event loop) or a plain `def` (run off the loop, in threads of its
-own or, with --agent.workers N, in worker processes)."""
+own or, with --agent.workers N, in worker processes).
+
+OpenRLHF 0.8.3-0.8.6 step files, `async def step(observation, action, label, **kwargs)` returning
+{"rewards", "scores" (optional), "next_observation", "done", "sampling_params" (optional), "extra_logs"}, are the
+same contract spelled differently: their observation is the whole text so far, and next_observation replaces it,
+so it is this contract's state and next_state. The dynamic-sampling filter reads the last step's "scores" where
+given, else the summed rewards, as OpenRLHF does. They are called without kwargs: a step that reads
+kwargs.get("sampling_params") gets None, and one that returns sampling_params for the next turn is refused, as
+this project's engine takes its sampling settings from the flags."""
 
 import asyncio
 import inspect
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 from openrlhf_async.utils.user_code import UserThreads, UserWorkers
 from openrlhf_async.utils.user_files import import_user_file
@@ -23,8 +32,10 @@ from openrlhf_async.utils.user_files import import_user_file
 # step's timeout keeps its place, so this many hung steps at once are needed to stall the others.
 STEP_THREADS = 64
 DEFAULT_AGENT = os.path.join(os.path.dirname(__file__), "math_single_turn.py")
-CONTRACT = ("a module-level `step(state, action, label)` returning (reward, next_state, done, extra_info), "
-            "or an OpenRLHF `AgentExecutor` class")
+CONTRACT = ("a module-level `step(state, action, label)` returning (reward, next_state, done, extra_info) "
+            '(or OpenRLHF 0.8\'s dict {"rewards", "next_observation", "done", ...}), or an OpenRLHF `AgentExecutor` '
+            "class")
+STEP_DICT_KEYS = ("rewards", "next_observation", "done")
 
 
 class AgentFileError(ValueError):
@@ -41,24 +52,41 @@ class StepResult:
     next_state: str
     done: bool
     extra_info: dict = field(default_factory=dict)
+    score: Optional[float] = None  # what the filter reads (OpenRLHF's "scores"); None: the episode's summed reward
 
 
 def _import_file(path: str):
     return import_user_file(path, "--train.agent_func_path", CONTRACT, AgentFileError, "openrlhf_async_agent")
 
 
+def _number(value, what: str) -> float:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AgentStepError(f"step returned {what} {value!r}; expected a number")
+    return float(value)
+
+
 def check_step_result(value) -> StepResult:
-    if not isinstance(value, (tuple, list)) or len(value) != 4:
+    """A step's answer: this project's tuple, or OpenRLHF 0.8's dict (see the module's docstring)."""
+    score = None
+    if isinstance(value, dict):
+        missing = [key for key in STEP_DICT_KEYS if key not in value]
+        if missing:
+            raise AgentStepError(f"step returned a dict without {', '.join(map(repr, missing))}; expected OpenRLHF "
+                                 '0.8\'s {"rewards", "next_observation", "done", "scores", "extra_logs"}')
+        if value.get("sampling_params") is not None:
+            raise AgentStepError("step returned sampling_params for the next turn; not supported here (sampling "
+                                 "comes from the --rollout flags): return None")
+        score = None if value.get("scores") is None else _number(value["scores"], "scores")
+        value = (value["rewards"], value["next_observation"], value["done"], value.get("extra_logs"))
+    elif not isinstance(value, (tuple, list)) or len(value) != 4:
         raise AgentStepError(f"step returned {type(value).__name__}; expected a tuple "
                              "(reward, next_state, done, extra_info)")
     reward, next_state, done, extra = value
-    if hasattr(reward, "item"):
-        reward = reward.item()
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        raise AgentStepError(f"step returned reward {reward!r}; expected a number")
     if not isinstance(next_state, str):
         raise AgentStepError(f"step returned next_state of type {type(next_state).__name__}; expected str")
-    return StepResult(float(reward), next_state, bool(done), dict(extra or {}))
+    return StepResult(_number(reward, "reward"), next_state, bool(done), dict(extra or {}), score)
 
 
 class StepAgent:
@@ -93,15 +121,45 @@ class StepAgent:
 
 
 class ExecutorAgent:
-    """An OpenRLHF 0.11 agent file: its AgentExecutor drives generation through an engine adapter."""
+    """An OpenRLHF 0.11 agent file: its AgentExecutor drives generation through an engine adapter. An
+    AgentInstance with an `async def __init__` (OpenRLHF's MultiTurnAgentExecutor cannot build one) is built with
+    its __init__ awaited before the instance is used."""
 
     kind = "executor"
 
     def __init__(self, path: str, executor):
         self.path, self.executor = path, executor
+        instance_cls = getattr(executor, "agent_instance_cls", None)
+        if isinstance(instance_cls, type) and inspect.iscoroutinefunction(instance_cls.__init__):
+            executor.agent_instance_cls = _awaiting_init(instance_cls)
 
     def close(self):
         pass
+
+
+def _awaiting_init(cls: type) -> type:
+    """A subclass of cls, whose __init__ is `async def`, that the executor can build without awaiting: building
+    it keeps the coroutine __init__ returns, and its first reset or step awaits it."""
+
+    class AwaitingInit(cls):
+        def __init__(self, *args, **kwargs):
+            self._pending_init = cls.__init__(self, *args, **kwargs)
+
+        async def _initialised(self):
+            pending, self._pending_init = self._pending_init, None
+            if pending is not None:
+                await pending
+
+        async def reset(self, states: dict, **kwargs):
+            await self._initialised()
+            return await super().reset(states, **kwargs)
+
+        async def step(self, states: dict, **kwargs):
+            await self._initialised()
+            return await super().step(states, **kwargs)
+
+    AwaitingInit.__name__ = AwaitingInit.__qualname__ = cls.__name__
+    return AwaitingInit
 
 
 def _load_step(path: str):

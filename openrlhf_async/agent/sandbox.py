@@ -27,12 +27,12 @@ OPENRLHF_ASYNC_SANDBOX=unsafe in the engines): then the code runs in a plain sub
 resource limits only, which native code can defeat."""
 
 import asyncio
+import itertools
 import logging
 import math
 import os
 import selectors
 import shutil
-import itertools
 import signal
 import subprocess
 import sys

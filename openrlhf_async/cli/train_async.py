@@ -12,7 +12,7 @@ def prepare(cfg):
     any actor starts. A dry run writes nothing and builds nothing.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
-    from openrlhf_async.config import ConfigError, default_cache_dir, to_dict, validate
+    from openrlhf_async.config import ConfigError, default_cache_dir, resolve_steps, to_dict, validate
     from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
     from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
     from openrlhf_async.utils.user_files import check_user_file
@@ -23,7 +23,7 @@ def prepare(cfg):
         if cfg.agent.func_path:
             check_user_file(cfg.agent.func_path, "--train.agent_func_path", CONTRACT, AgentFileError,
                             "openrlhf_async_agent")
-        if cfg.reward.remote_url.endswith(".py"):
+        if (cfg.reward.remote_url or "").endswith(".py"):
             check_user_file(cfg.reward.remote_url, "--reward.remote_url", FUNC_CONTRACT, RewardFileError,
                             "openrlhf_async_reward")
         load_agent(cfg.agent.func_path, cfg.agent.workers).close()
@@ -35,6 +35,7 @@ def prepare(cfg):
     with (tempfile.TemporaryDirectory() if cfg.dry_run else
           contextlib.nullcontext(os.path.join(cfg.run_dir, "data"))) as builtin_dir:
         train_rows, eval_rows = load_datasets(cfg, builtin_dir)
+    resolve_steps(cfg, len(train_rows))
     check_resume_data(cfg, resume, len(train_rows))
     model_path = cfg.actor.model_name_or_path
     if cfg.dry_run:
@@ -54,27 +55,32 @@ def prepare(cfg):
 
 
 def load_datasets(cfg, builtin_dir: str):
-    """(train rows, eval rows); without --data.prompt_dataset, the built-in task written into builtin_dir."""
-    from openrlhf_async.data.prompts import load_prompts
+    """(train rows, eval rows); without --data.prompt_dataset, the built-in task written into builtin_dir, read with
+    its own field names whatever --data.input_key / --data.label_key say."""
+    from openrlhf_async.data.prompts import check_input_template, load_prompts
 
+    check_input_template(cfg.data.input_template)
+    train_keys = eval_keys = cfg.data.input_key, cfg.data.label_key
     if not cfg.data.prompt_dataset:
         from openrlhf_async.data.synthetic import write_arithmetic_dataset
 
         cfg.data.prompt_dataset, eval_path = write_arithmetic_dataset(builtin_dir)
-        cfg.eval.dataset = cfg.eval.dataset or eval_path
-    train_rows = load_prompts(cfg.data.prompt_dataset, cfg.data.input_key, cfg.data.label_key,
-                              "--data.prompt_dataset", cfg.data.max_samples)
+        train_keys = "prompt", "label"
+        if not cfg.eval.dataset:
+            cfg.eval.dataset, eval_keys = eval_path, train_keys
+    train_rows = load_prompts(cfg.data.prompt_dataset, *train_keys, "--data.prompt_dataset", cfg.data.max_samples,
+                              split=cfg.data.prompt_split, probs=cfg.data.prompt_probs, seed=cfg.train.seed)
     eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
     if cfg.eval.dataset:
-        eval_rows = load_prompts(cfg.eval.dataset, cfg.data.input_key, cfg.data.label_key, "--eval.dataset",
-                                 cfg.eval.max_samples)
+        eval_rows = load_prompts(cfg.eval.dataset, *eval_keys, "--eval.dataset", cfg.eval.max_samples,
+                                 split=cfg.eval.split)
     return train_rows, eval_rows
 
 
 def resources(cfg) -> dict:
     """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda) and DeepSpeed ranks."""
-    engine_gpus = cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size
-    return {"device": cfg.device, "vllm_engines": cfg.vllm.num_engines,
+    engine_gpus = cfg.num_engines * cfg.vllm.tensor_parallel_size
+    return {"device": cfg.device, "vllm_engines": cfg.num_engines,
             "tensor_parallel_size": cfg.vllm.tensor_parallel_size, "trainer_ranks": cfg.actor.world_size,
             "gpus": engine_gpus + cfg.actor.world_size if cfg.device == "cuda" else 0}
 
@@ -87,7 +93,7 @@ def check_cluster(cfg) -> None:
 
     need, have = resources(cfg)["gpus"], int(ray.cluster_resources().get("GPU", 0))
     if need > have:
-        raise ConfigError(f"--device cuda: the run needs {need} GPUs ({cfg.vllm.num_engines} engines x "
+        raise ConfigError(f"--device cuda: the run needs {need} GPUs ({cfg.num_engines} engines x "
                           f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size} + {cfg.actor.world_size} "
                           f"trainer ranks) and the Ray cluster has {have}; lower them or use --device cpu")
 

@@ -1,26 +1,23 @@
-"""Prompt datasets: JSONL or Parquet rows with a prompt field (text or chat messages) and a label field, and
-their tokenisation."""
+"""Prompt datasets: rows with a prompt field (text or chat messages) and a label field, from JSON-lines files read
+here or any other source read by data/sources.py; their tokenisation; the sampler's epoch order."""
 
 import json
 import os
 import random
+import string
 import sys
 
 from openrlhf_async.config import ConfigError
+from openrlhf_async.data.sources import TABLE_FILES, dataset_names, mix, mixture_probs, read_dataset
 
 
-def read_rows(path: str, flag: str) -> list:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: no such file")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:
-            raise ConfigError(f"{flag} {path}: not a readable Parquet file ({e})") from None
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is a bad line, not a failed read
-        return json_lines(f, f"{flag} {path}")
+def read_rows(name: str, split: str, flag: str, max_samples: int) -> list:
+    """One dataset's first max_samples rows. A file that is no table file (TABLE_FILES) is JSON lines, read here so
+    that an error names the bad line; everything else goes through Hugging Face datasets."""
+    if os.path.isfile(name) and os.path.splitext(name)[1].lower() not in TABLE_FILES:
+        with open(name, "rb") as f:  # bytes: a line that is not UTF-8 is a bad line, not a failed read
+            return json_lines(f, f"{flag} {name}")[:max_samples]
+    return read_dataset(name, split, flag, max_samples)
 
 
 MAX_DEPTH = 64  # how deeply a row's JSON may nest (a chat prompt: 3 levels); deeper is malformed or hostile
@@ -100,22 +97,34 @@ def as_prompt(value):
     return messages
 
 
-def _bad_row_reason(row, input_key: str, label_key: str):
-    if not isinstance(row, dict) or input_key not in row or label_key not in row:
-        return f"has no {input_key!r} or {label_key!r} field"
-    if row[label_key] is None or str(row[label_key]) == "":
+def _bad_row_reason(row, input_key: str, label_key):
+    keys = (input_key,) if label_key is None else (input_key, label_key)
+    if not isinstance(row, dict) or any(key not in row for key in keys):
+        return f"has no {' or '.join(map(repr, keys))} field"
+    if label_key is not None and (row[label_key] is None or str(row[label_key]) == ""):
         return f"has an empty {label_key!r} field"
     if as_prompt(row[input_key]) is None:
         return f"has a {input_key!r} field that is neither text nor chat messages with a user turn"
     return None
 
 
-def load_prompts(path: str, input_key: str, label_key: str, flag: str, max_samples: int = 100_000_000) -> list:
-    """Return [{"prompt": str | [{"role", "content"}], "label": str}]; rows without a label or a text prompt are
-    skipped and reported once on stderr; a missing, empty, malformed or wholly unusable file is a one-line error."""
-    rows = read_rows(path, flag)
+def load_prompts(spec: str, input_key: str, label_key, flag: str, max_samples: int = 100_000_000, *,
+                 split: str = "train", probs=None, seed: int = 42) -> list:
+    """Return [{"prompt": str | [{"role", "content"}], "label": str}] from spec's comma-separated datasets (each a
+    file, a folder or a Hub id, maybe name@split), concatenated, or mixed with probs (--data.prompt_probs) and seed;
+    at most max_samples from each and in all. label_key None: every label is ""."""
+    names = dataset_names(spec, split, flag)
+    probs = mixture_probs(probs, len(names))
+    parts = [_usable_rows(read_rows(name, own_split, flag, max_samples), input_key, label_key, f"{flag} {name}")
+             for name, own_split in names]
+    return mix(parts, probs, seed)[:max_samples]
+
+
+def _usable_rows(rows: list, input_key: str, label_key, where: str) -> list:
+    """Rows without a label or a text prompt are skipped and reported once on stderr; an empty or wholly unusable
+    dataset is a one-line error."""
     if not rows:
-        raise ConfigError(f"{flag} {path}: the dataset is empty")
+        raise ConfigError(f"{where}: the dataset is empty")
     out, bad, first_bad = [], 0, None
     for i, row in enumerate(rows):
         reason = _bad_row_reason(row, input_key, label_key)
@@ -123,20 +132,32 @@ def load_prompts(path: str, input_key: str, label_key: str, flag: str, max_sampl
             bad += 1
             first_bad = first_bad or (i, reason)
             continue
-        out.append({"prompt": as_prompt(row[input_key]), "label": str(row[label_key])})
-        if len(out) >= max_samples:
-            break
+        out.append({"prompt": as_prompt(row[input_key]), "label": "" if label_key is None else str(row[label_key])})
     if not out:
-        raise ConfigError(f"{flag} {path}: row {first_bad[0]} {first_bad[1]}, and no row is usable "
+        raise ConfigError(f"{where}: row {first_bad[0]} {first_bad[1]}, and no row is usable "
                           f"(set --data.input_key / --data.label_key to the dataset's field names)")
     if bad:
-        print(f"warning: {flag} {path}: skipped {bad} rows without a usable {input_key!r} prompt or {label_key!r} "
-              f"label; the first is row {first_bad[0]}, which {first_bad[1]}", file=sys.stderr)
+        wanted = f"{input_key!r} prompt" + ("" if label_key is None else f" or {label_key!r} label")
+        print(f"warning: {where}: skipped {bad} rows without a usable {wanted}; the first is row {first_bad[0]}, "
+              f"which {first_bad[1]}", file=sys.stderr)
     return out
 
 
-def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool) -> list:
-    """Prompt rows to [{"prompt_ids", "label"}]; a text prompt is one user turn, a message list goes in whole."""
+def check_input_template(template) -> None:
+    """OpenRLHF drops a template without "{}" with a warning; here it is an error, as is one str.format cannot fill
+    with the prompt alone."""
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template or "{}") if field is not None]
+    except ValueError:  # an unmatched brace
+        fields = None
+    if fields != [""]:
+        raise ConfigError(f"--data.input_template {template!r}: give one {{}} where the prompt goes (other braces "
+                          f"doubled: {{{{ }}}})")
+
+
+def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_template=None) -> list:
+    """Prompt rows to [{"prompt_ids", "label"}]; a text prompt is one user turn, a message list goes in whole.
+    Without the chat template, the text (a message list's contents, a line each) goes into input_template's {}."""
     out = []
     for row in rows:
         prompt = row["prompt"]
@@ -144,7 +165,8 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool) -> list:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         else:
-            ids = tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt))
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            ids = tokenizer.encode(input_template.format(text) if input_template else text)
         out.append({"prompt_ids": list(ids), "label": row["label"]})
     return out
 

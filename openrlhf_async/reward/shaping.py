@@ -1,4 +1,5 @@
-"""The reward the trainer sees: an episode's score, guarded, plus DAPO's soft overlong punishment."""
+"""The reward the trainer sees: an episode's reward, guarded, plus DAPO's soft overlong punishment; its score (what
+the dynamic-sampling filter reads) is guarded alike and left unshaped."""
 
 from openrlhf_async.reward.sources import RewardError, check_reward
 
@@ -11,11 +12,14 @@ def overlong_penalty(length: int, budget: int, buffer: int, factor: float) -> fl
 
 
 def shape_rewards(group: list, budget: int, buffer: int, factor: float) -> None:
-    """Set each episode's reward: its score plus overlong shaping. Whatever scored it, a score that is no valid
-    reward becomes 0 and a reward error first, so it reaches neither the filter nor the trainer."""
+    """Set each episode's reward: its raw reward (its score when it has none) plus overlong shaping. Whatever scored
+    it, a score or reward that is no valid reward makes both 0 and a reward error first, so that neither the filter
+    nor the trainer gets it."""
     for ep in group:
         try:
-            check_reward(ep.score, "the episode's score")
+            score = check_reward(ep.score, "the episode's score")
+            raw = score if ep.raw_reward is None else check_reward(ep.raw_reward, "the episode's reward")
         except RewardError as e:
-            ep.score, ep.error = 0.0, ep.error or ("reward_error", f"{type(e).__name__}: {e}")
-        ep.reward = ep.score + overlong_penalty(len(ep.response_ids), budget, buffer, factor)
+            score, raw, ep.error = 0.0, 0.0, ep.error or ("reward_error", f"{type(e).__name__}: {e}")
+        ep.score, ep.raw_reward = score, raw
+        ep.reward = raw + overlong_penalty(len(ep.response_ids), budget, buffer, factor)

@@ -1,7 +1,9 @@
 """Reward sources an engine scores finished episodes with: an OpenRLHF reward_func file, or a reward service.
 
-Both answer `await source.score(queries, prompts, labels)` with one `{"reward", "score", "extra"}` per query.
-`make_reward` picks one from the flags; None means the agent's own step reward stands."""
+Both answer `await source.score(queries, prompts, labels)` with one `{"reward", "score", "extra"}` per query, as
+OpenRLHF reads a reward_func's answer: "rewards" drive the advantages, "scores" (the rewards when left out) the
+dynamic-sampling filter, and "extra_logs" are logged. `make_reward` picks one from the flags; None means the
+agent's own step reward stands."""
 
 import asyncio
 import inspect
@@ -20,7 +22,8 @@ MAX_REWARD = 1e6
 ANSWER_BYTES_PER_QUERY = 1 << 20
 
 FUNC_CONTRACT = ("a module-level `reward_func(queries, prompts, labels, **kwargs)` returning "
-                 '{"rewards": one number per query, "scores": optional, "extra_logs": optional dict of lists}')
+                 '{"rewards": one number per query, "scores": optional, "extra_logs": optional dict of lists}; '
+                 "with one query (as the engines call it) a number stands for the list")
 
 
 class RewardFileError(ValueError):
@@ -51,19 +54,29 @@ def check_reward(value, what: str) -> float:
     raise RewardError(f"{what} is {shown}; expected {expected}")
 
 
-def _log_value(value, what: str):
-    """A logged number as a float; None (left out of the logs) when it is inf or nan."""
+def log_number(value):
+    """A logged value as a float; None (left out of the logs) when it is not a finite real number."""
+    if hasattr(value, "item"):  # numpy and torch scalars, one-element tensors
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            return None
+    if not isinstance(value, (bool, int, float)):
+        return None
     try:
         value = float(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise RewardError(f"{what}: {e}; expected one number per query") from None
+    except OverflowError:
+        return None
     return value if math.isfinite(value) else None
 
 
 def _as_list(value, what: str, n: int, read=check_reward) -> list:
-    """One number per query, each read by read(entry, name), from a list, tuple, tensor or array."""
+    """One entry per query, each read by read(entry, name), from a list, tuple, tensor or array; for one query a
+    single value (a number, a 0-d tensor) is its entry, as OpenRLHF 0.11 takes a reward_func called per sample."""
     if hasattr(value, "tolist"):  # torch tensors, numpy arrays
         value = value.tolist()
+    if n == 1 and not isinstance(value, (list, tuple)):
+        value = [value]
     if not isinstance(value, (list, tuple)) or len(value) != n:
         length = f"length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
         raise RewardError(f"{what}: got {length} for {n} queries; expected one number per query")
@@ -71,8 +84,8 @@ def _as_list(value, what: str, n: int, read=check_reward) -> list:
 
 
 def parse_reward_output(out, n: int) -> list:
-    """A reward_func's (or a service's) answer -> one {"reward", "score", "extra"} per query; a reward or score
-    that is not a sane number (check_reward) is a RewardError."""
+    """A reward_func's (or a service's) answer -> one {"reward", "score", "extra"} per query. A reward or score
+    that is not a sane number (check_reward) is a RewardError; a logged value that is not a number is left out."""
     if not isinstance(out, dict) or "rewards" not in out:
         raise RewardError(f"reward returned {type(out).__name__} without 'rewards'; expected {FUNC_CONTRACT}")
     rewards = _as_list(out["rewards"], "rewards", n)
@@ -84,9 +97,9 @@ def parse_reward_output(out, n: int) -> list:
     for key, value in logs.items():
         if hasattr(value, "tolist"):
             value = value.tolist()
-        if isinstance(value, (int, float)):  # one number for the whole batch: every sample logs it
+        if not isinstance(value, (list, tuple)):  # one value for the whole batch: every sample logs it
             value = [value] * n
-        per_key[key] = _as_list(value, f"extra_logs[{key!r}]", n, _log_value)
+        per_key[key] = _as_list(value, f"extra_logs[{key!r}]", n, lambda v, _: log_number(v))
     return [{"reward": rewards[i], "score": scores[i],
              "extra": {k: v[i] for k, v in per_key.items() if v[i] is not None}} for i in range(n)]
 

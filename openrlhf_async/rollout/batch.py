@@ -45,6 +45,7 @@ class StartedGroup:
     state: State = State.RUNNING
     group_id: str = ""
     engine: int = -1
+    budget: Any = None  # its response token budget (one, or one per sample)
     call: Any = None  # the engine's generate_group call (a Ray ObjectRef, or an awaitable for local engines)
     episodes: Optional[list] = None
     valid: Optional[bool] = None
@@ -95,7 +96,8 @@ class RolloutBatch:
         self.pending[asyncio.ensure_future(awaited(record.call))] = record
 
     def group_finished(self, record: StartedGroup, episodes: list) -> bool:
-        """Count the group and judge it. Returns whether it is flat (all rewards equal, or screened as such)."""
+        """Count the group and judge it by its scores. Returns whether it is flat (all scores equal, or screened as
+        such)."""
         record.episodes, record.state = episodes, State.FINISHED
         self.stats["finished"] += 1
         for ep in episodes:

@@ -83,10 +83,10 @@ class RolloutController:
         sampling: vLLM sampling parameters (None: --rollout.temperature and --rollout.top_p).
         carry_over (early stop only): groups still running when a batch is complete keep running and join the next
         batch (surplus valid groups too) instead of being aborted; their tokens may then span weight versions.
-        on_group(prompt, flat) is called for each finished group; flat: its rewards are all equal.
+        on_group(prompt, flat) is called for each finished group; flat: its scores are all equal.
         wave_size: without early stop, prompts per wave (0: the batch target; DAPO uses 3x)."""
         rollout = cfg.rollout
-        self.engines, self.n, self.budget = engines, rollout.n_samples_per_prompt, rollout.max_new_tokens
+        self.engines, self.n, self.budget = engines, rollout.n_samples_per_prompt, cfg.budget
         self.sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p} if sampling is None else sampling
         self.max_concurrent_prompts = cfg.max_concurrent_prompts
         self.agent_path = cfg.agent.func_path
@@ -97,7 +97,7 @@ class RolloutController:
                                    wave_size)
         self.carry_over = carry_over and rollout.early_stop
         self.carried = []  # groups started for an earlier batch and not used yet
-        self.overlong = (cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
+        self.overlong = (cfg.reward.overlong_buffer_len or 0, cfg.reward.overlong_penalty_factor)
         self.error_ratios = {"agent": cfg.agent.max_error_ratio, "reward": cfg.reward.max_error_ratio}
         self.on_group, self.abort_timeout = on_group, abort_timeout
         self.balancer = LoadBalancer(len(engines), cfg.vllm.max_concurrency)
@@ -114,7 +114,7 @@ class RolloutController:
     def run(self, next_prompt: Callable[[], dict], target: int) -> tuple:
         """Collect `target` valid groups. next_prompt() -> {"prompt_ids", "label"} (and optionally "budget": the
         group's token budget, or one per sample) is called once per started group, in order.
-        Returns (groups, metrics); each episode's reward is set (score plus shaping)."""
+        Returns (groups, metrics); each episode's reward is set (its raw reward plus shaping)."""
         return asyncio.run(self.run_async(next_prompt, target))
 
     async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:
@@ -178,9 +178,11 @@ class RolloutController:
     def _start(self, batch: RolloutBatch, record: StartedGroup, engine: int) -> None:
         prompt = record.prompt
         record.group_id, record.engine = f"g{next(_group_ids)}", engine
+        # At least one token: a prompt that leaves no room is vLLM's to refuse, with its own error.
+        record.budget = prompt.get("budget") or max(1, self.budget(len(prompt["prompt_ids"])))
         record.call = self.engines[engine].generate_group.remote(
-            prompt["prompt_ids"], prompt["label"], self.n, self.sampling, record.group_id,
-            prompt.get("budget", self.budget), self.agent_path, self.screen_samples, self.filter)
+            prompt["prompt_ids"], prompt["label"], self.n, self.sampling, record.group_id, record.budget,
+            self.agent_path, self.screen_samples, self.filter)
         batch.watch(record)
 
     def _collect(self, batch: RolloutBatch, task) -> None:
@@ -201,7 +203,8 @@ class RolloutController:
             else:  # an engine failed: stop, after cleaning up
                 batch.fail(e)
             return
-        shape_rewards(group, self.budget, *self.overlong)
+        budget = record.budget
+        shape_rewards(group, max(budget) if isinstance(budget, (list, tuple)) else budget, *self.overlong)
         flat = batch.group_finished(record, group)
         if self.on_group is not None:
             self.on_group(record.prompt, flat)

@@ -14,7 +14,7 @@ from openrlhf_async.utils.ray_utils import get_all
 
 class LLMRayActorAsync:
     def __init__(self, model_path: str, engine_index: int, vllm, agent, reward, *, max_model_len: int, dtype: str,
-                 seed: int):
+                 seed: int, use_fast_tokenizer: bool = True):
         """vllm, agent, reward: the run's VLLMConfig, AgentConfig and RewardConfig sections; the agent and reward
         ones are the defaults of generate_group, which can pick others per call."""
         from transformers import AutoTokenizer
@@ -24,7 +24,7 @@ class LLMRayActorAsync:
         from openrlhf_async.utils.timeline import Timeline
 
         self.timeline = Timeline(f"engine {engine_index}")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=use_fast_tokenizer)
         args = AsyncEngineArgs(
             model=model_path,
             dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
@@ -33,6 +33,7 @@ class LLMRayActorAsync:
             tensor_parallel_size=vllm.tensor_parallel_size,
             distributed_executor_backend="ray" if vllm.tensor_parallel_size > 1 else None,
             enforce_eager=vllm.enforce_eager,
+            enable_prefix_caching=vllm.enable_prefix_caching,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             max_num_seqs=vllm.max_num_seqs,
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
@@ -199,14 +200,14 @@ def create_engines(cfg, model_path: str, wait: bool = True) -> list:
 
     actor_cls = ray.remote(LLMRayActorAsync)
     engines = []
-    for i in range(cfg.vllm.num_engines):
+    for i in range(cfg.num_engines):
         # On CPU the engines take no Ray CPU slot: vLLM runs its own processes and a 2-core box must fit them all.
         resources = {"num_gpus": 1 if cfg.device == "cuda" and cfg.vllm.tensor_parallel_size == 1 else 0,
                      "num_cpus": 0}
         engines.append(
             actor_cls.options(**resources, runtime_env={"env_vars": engine_env(cfg)}).remote(
                 model_path, i, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
-                seed=cfg.train.seed)
+                seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer)
         )
     if wait:
         get_all([e.ready.remote() for e in engines])

@@ -4,13 +4,16 @@ Token in, token out: the model's tokens are kept exactly as generated, with thei
 environment's new observation text is tokenised. `action_mask` marks the tokens the model wrote (1) and the
 observation tokens (0), which the loss ignores. `token_versions` gives the weight version each response token
 was generated with (an observation token takes the version of the action before it), so an episode that
-outlived a weight sync shows both versions."""
+outlived a weight sync shows both versions.
+
+As in OpenRLHF, an episode carries two figures: its score, which the dynamic-sampling filter reads, and its reward,
+which the advantages use (see Episode)."""
 
 import asyncio
 from dataclasses import dataclass, field
 from typing import Optional
 
-from openrlhf_async.reward.sources import RewardError, RewardTimeout, check_reward
+from openrlhf_async.reward.sources import RewardError, RewardTimeout, check_reward, log_number
 from openrlhf_async.rollout.filter import GroupFilter
 
 # An observation is cut to this many characters per token of budget left before it is tokenised: far more than
@@ -47,12 +50,30 @@ class Episode:
     action_mask: list = field(default_factory=list)  # 1: the model wrote the token, 0: the environment did
     token_versions: list = field(default_factory=list)  # the weight version each token was generated with
     finish_reason: Optional[str] = None  # vLLM's for the last generation ("stop", "length", "abort"), or "length"
-    score: float = 0.0  # the agent's step rewards summed, or the reward source's score; 0.0 after an error
-    reward: Optional[float] = None  # what the trainer sees: score plus overlong shaping (set by shape_rewards)
+    # What the dynamic-sampling filter reads: the reward source's score, or the agent's (its last step's "scores"),
+    # else the same as raw_reward; 0.0 after an error.
+    score: float = 0.0
+    # The reward source's reward, or the agent's step rewards summed, before shaping; 0.0 after an error. None: the
+    # same as score (an engine that gives one figure).
+    raw_reward: Optional[float] = None
+    reward: Optional[float] = None  # what the advantages use: raw_reward plus overlong shaping (set by shape_rewards)
     turns: int = 0  # generations made
     error: Optional[tuple] = None  # (kind, message); kind is a key of batch.ERROR_KINDS
     aborted: bool = False  # its group was aborted (early stop) while it ran
-    extra_info: dict = field(default_factory=dict)  # the agent's or reward source's extra figures (e.g. accuracy)
+    extra_info: dict = field(default_factory=dict)  # the agent's or reward source's extra logs (e.g. accuracy)
+
+
+def extra_log_means(groups: list) -> dict:
+    """`rollout/extra/<key>`: the mean of each number the agents and reward sources logged (Episode.extra_info)
+    over the episodes that logged it; a value that is not a finite number (text, a list) is left out."""
+    sums, counts = {}, {}
+    for ep in (ep for group in groups for ep in group):
+        for key, value in ep.extra_info.items():
+            number = log_number(value)
+            if number is not None:
+                sums[key] = sums.get(key, 0.0) + number
+                counts[key] = counts.get(key, 0) + 1
+    return {f"rollout/extra/{key}": sums[key] / counts[key] for key in sums}
 
 
 def _append_action(ep: Episode, out: dict) -> None:
@@ -68,7 +89,7 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
                       max_steps: int, step_timeout: float, request_id: str) -> Episode:
     """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "token_versions", "finish_reason"}.
     budget: response tokens (the model's and the observations') an episode may use in all."""
-    ep = Episode(request_id, list(prompt_ids))
+    ep = Episode(request_id, list(prompt_ids), raw_reward=0.0)
     state = tokenizer.decode(prompt_ids)
     while True:
         remaining = budget - len(ep.response_ids)
@@ -84,8 +105,10 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
         action = tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         try:
             result = await agent.step(state, action, label, step_timeout)
-            score = check_reward(ep.score + check_reward(result.reward, f"turn {ep.turns} reward"),
-                                 f"the reward summed over {ep.turns} turns")
+            reward = check_reward(ep.raw_reward + check_reward(result.reward, f"turn {ep.turns} reward"),
+                                  f"the reward summed over {ep.turns} turns")
+            # As OpenRLHF: the last step's score if it gives one, else the reward so far.
+            score = reward if result.score is None else check_reward(result.score, f"turn {ep.turns} score")
         except RewardTimeout as e:  # the step's reward call (e.g. the built-in math-verify) ran out of time
             ep.error = ("reward_timeout", f"{type(e).__name__}: {e}")
         except RewardError as e:
@@ -95,16 +118,16 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
         except Exception as e:  # the user's code: contain it, count it, keep the run going
             ep.error = ("error", f"{type(e).__name__}: {e}")
         if ep.error:
-            ep.score = 0.0
+            ep.score = ep.raw_reward = 0.0
             break
-        ep.score = score
+        ep.score, ep.raw_reward = score, reward
         ep.extra_info = result.extra_info
         if result.done or ep.turns >= max_steps:
             break
         prefix = state + action
         if not result.next_state.startswith(prefix):
             ep.error = ("error", "AgentStepError: next_state must be state + action + observation")
-            ep.score = 0.0
+            ep.score = ep.raw_reward = 0.0
             break
         remaining = budget - len(ep.response_ids)
         text = result.next_state[len(prefix) : len(prefix) + remaining * OBSERVATION_CHARS_PER_TOKEN]
@@ -159,12 +182,13 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
     for i in range(1, len(versions)):  # observation tokens take the version of the action before them
         if not mask[i]:
             versions[i] = versions[i - 1]
-    reward = out.get("reward")
-    try:
-        score, error = (0.0 if reward is None else check_reward(reward, "the executor's reward")), None
+    reward, score, error = out.get("reward"), out.get("scores"), None
+    try:  # no reward: the executor left it to a reward source, 0 until then
+        reward = 0.0 if reward is None else check_reward(reward, "the executor's reward")
+        score = reward if score is None else check_reward(score, "the executor's score")
     except RewardError as e:
-        score, error = 0.0, ("reward_error", f"{type(e).__name__}: {e}")
+        reward, score, error = 0.0, 0.0, ("reward_error", f"{type(e).__name__}: {e}")
     return Episode(request_id, tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
                    action_mask=mask, token_versions=versions, turns=len(engine.calls),
                    finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
-                   score=score, error=error, extra_info=dict(out.get("extra_logs") or {}))
+                   score=score, raw_reward=reward, error=error, extra_info=dict(out.get("extra_logs") or {}))

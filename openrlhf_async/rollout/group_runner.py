@@ -75,7 +75,8 @@ class GroupRunner:
 
 async def rescored(episode, reward, tokenizer, prompt_text: str, label) -> Episode:
     """Run an episode, then score it with a reward source (reward_func file or service) on its whole text, as
-    OpenRLHF does; the agent's own reward is kept in extra_info. A failed reward scores 0, counted."""
+    OpenRLHF does: the source's reward and score replace the agent's, whose reward is kept in extra_info. A failed
+    reward scores 0, counted."""
     from openrlhf_async.reward.sources import RewardTimeout
 
     ep = await episode
@@ -86,8 +87,8 @@ async def rescored(episode, reward, tokenizer, prompt_text: str, label) -> Episo
         (result,) = await reward.score([query], [prompt_text], [label])
     except Exception as e:  # the user's reward code or a remote service: contain it, count it
         kind = "reward_timeout" if isinstance(e, (RewardTimeout, asyncio.TimeoutError)) else "reward_error"
-        ep.score, ep.error = 0.0, (kind, f"{type(e).__name__}: {e}")
+        ep.score, ep.raw_reward, ep.error = 0.0, 0.0, (kind, f"{type(e).__name__}: {e}")
         return ep
-    ep.extra_info = {**ep.extra_info, **result["extra"], "agent_reward": ep.score}
-    ep.score = result["reward"]
+    ep.extra_info = {**ep.extra_info, **result["extra"], "agent_reward": ep.raw_reward}
+    ep.score, ep.raw_reward = result["score"], result["reward"]
     return ep

@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 
-from openrlhf_async.config import ConfigError
+from openrlhf_async.config import ConfigError, notice
 from openrlhf_async.utils.ray_utils import get_all
 
 STATE_FILE = "trainer_state.json"
@@ -29,15 +29,19 @@ def complete_checkpoints(root: str) -> list:
     return sorted(found)
 
 
-def save(root: str, step: int, policy, state: dict, keep: int) -> str:
-    """Save every rank's DeepSpeed state and the trainer's state as step_<step>; keep the newest `keep`."""
+def save(root: str, step: int, policy, state: dict, keep: int, deepspeed: bool = True, hf: bool = False) -> str:
+    """Save every rank's DeepSpeed state (unless --ckpt.disable_ds), an HF-format model in hf/ (--ckpt.save_hf) and
+    the trainer's state as step_<step>; keep the newest `keep`."""
     final = os.path.join(root, f"step_{step}")
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
     os.makedirs(partial)
-    get_all(policy.call("save_checkpoint", partial))
+    if deepspeed:
+        get_all(policy.call("save_checkpoint", partial))
+    if hf:
+        get_all(policy.call("save_hf", os.path.join(partial, "hf")))
     with open(os.path.join(partial, STATE_FILE), "w") as f:
-        json.dump({**state, "step": step}, f)
+        json.dump({**state, "step": step, "deepspeed": deepspeed}, f)
         f.flush()
         os.fsync(f.fileno())
     shutil.rmtree(final, ignore_errors=True)  # a resumed run passing a step saved before
@@ -49,26 +53,27 @@ def save(root: str, step: int, policy, state: dict, keep: int) -> str:
 
 # What a run leaves in its run folder that a fresh run would truncate, mix with or replace (data/ and config.json
 # are rewritten the same way by any run).
-RECORDS = ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl", "summary.json", "tensorboard", "final_hf")
+RECORDS = ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl", "samples.jsonl", "summary.json", "tensorboard",
+           "final_hf")
 
 
 def _uses_ckpt_path(cfg) -> bool:
-    """Whether this run touches --ckpt.path: the default one in its run folder, or one it saves to or resumes from."""
-    return bool(cfg.ckpt.save_steps or cfg.ckpt.resume or not cfg.ckpt.path)
+    """Whether this run touches --ckpt.path: one in its run folder, or one it saves to or resumes from."""
+    return bool(cfg.ckpt.save_steps > 0 or cfg.ckpt.load_enable or "{run_dir}" in cfg.ckpt.path)
 
 
 def earlier_records(cfg) -> list:
     """The names of an earlier run's records that a fresh run with this config would replace: files in the run
     folder and the final model folder (--ckpt.output_dir when it holds a model)."""
     found = [name for name in RECORDS if os.path.exists(os.path.join(cfg.run_dir, name))]
-    if cfg.ckpt.output_dir and os.path.isfile(os.path.join(cfg.ckpt.output_dir, "config.json")):
-        found.append(cfg.ckpt.output_dir)
+    if os.path.isfile(os.path.join(cfg.output_dir, "config.json")):
+        found.append(cfg.output_dir)
     return found
 
 
 def remove_records(cfg) -> None:
-    """--overwrite: delete the earlier run's records and checkpoints (the final model in a --ckpt.output_dir of
-    the user's choosing is only overwritten, file by file, when this run saves its own)."""
+    """--overwrite: delete the earlier run's records and checkpoints (the final model in --ckpt.output_dir is only
+    overwritten, file by file, when this run saves its own)."""
     for name in RECORDS:
         path = os.path.join(cfg.run_dir, name)
         if os.path.isdir(path):
@@ -82,47 +87,50 @@ def remove_records(cfg) -> None:
 
 
 def find_resume(cfg):
-    """What --ckpt.resume continues from: (folder, trainer state) of the newest checkpoint, or None for a fresh
-    start. Refuses, before any actor starts: a fresh run where an earlier run left its records or checkpoints
-    (unless --overwrite), --ckpt.resume with no checkpoint, and a checkpoint whose state is unreadable or which
-    has trained --train.max_steps already. check_resume_data then compares the datasets."""
+    """What --ckpt.load_enable continues from: (folder, trainer state) of the newest checkpoint, or None for a
+    fresh start (also with --ckpt.load_enable when there is no checkpoint, as in OpenRLHF, with a notice). Refuses,
+    before any actor starts: a fresh run where an earlier run left its records or checkpoints (unless --overwrite),
+    and a checkpoint whose state is unreadable. check_resume_data then compares the datasets and the steps."""
     root = cfg.ckpt_path
     found = complete_checkpoints(root) if _uses_ckpt_path(cfg) else []
-    if not cfg.ckpt.resume:
-        records = earlier_records(cfg)
-        if (records or found) and not cfg.overwrite:
-            if not records:
-                where = f"--ckpt.path {root} holds checkpoints of an earlier run (newest: step {found[-1][0]})"
-            elif found:
-                where = (f"{cfg.run_dir} holds an earlier run's records ({', '.join(records)}; newest checkpoint: "
-                         f"step {found[-1][0]})")
-            else:
-                where = f"{cfg.run_dir} holds an earlier run's records ({', '.join(records)}) and no checkpoint"
-            resume = "pass --ckpt.resume to continue it, " if found else ""
-            other = "--run_name or --ckpt.path" if cfg.ckpt.path else "--run_name"
-            raise ConfigError(f"{where}: {resume}choose another {other}, or pass --overwrite to delete them and start "
-                              "again")
-        return None
-    if not found:
-        raise ConfigError(f"--ckpt.resume: no checkpoint in {root} to continue from (a run saves them with "
-                          "--ckpt.save_steps N); drop --ckpt.resume to start a new run")
-    path = found[-1][1]
-    state = read_state(path)
-    if state["step"] >= cfg.train.max_steps:
-        raise ConfigError(f"--ckpt.resume: {path} has trained {state['step']} steps already; raise "
-                          f"--train.max_steps (now {cfg.train.max_steps}) to train more")
-    return path, state
+    if cfg.ckpt.load_enable and found:
+        path = found[-1][1]
+        state = read_state(path)
+        if not state.get("deepspeed", True):
+            raise ConfigError(f"--ckpt.load_enable: {path} was saved with --ckpt.disable_ds (weights in HF format only) "
+                              "and cannot be resumed; start a new run from its hf/ folder with "
+                              "--actor.model_name_or_path, or pass --overwrite")
+        return path, state
+    records = earlier_records(cfg)
+    if (records or found) and not cfg.overwrite:
+        if not records:
+            where = f"--ckpt.path {root} holds checkpoints of an earlier run (newest: step {found[-1][0]})"
+        elif found:
+            where = (f"{cfg.run_dir} holds an earlier run's records ({', '.join(records)}; newest checkpoint: "
+                     f"step {found[-1][0]})")
+        else:
+            where = f"{cfg.run_dir} holds an earlier run's records ({', '.join(records)}) and no checkpoint"
+        resume = "pass --ckpt.load_enable to continue it, " if found else ""
+        raise ConfigError(f"{where}: {resume}choose another --run_name or --ckpt.path / --ckpt.output_dir, or pass "
+                          "--overwrite to delete them and start again")
+    if cfg.ckpt.load_enable:
+        notice(f"--ckpt.load_enable: no checkpoint in {root}; starting a new run")
+    return None
 
 
 def check_resume_data(cfg, resume, num_prompts: int) -> None:
-    """A resumed run must continue the same prompt stream: the same dataset size and seed."""
+    """A resumed run must continue the same prompt stream (the same dataset size and seed) and have steps left."""
     if resume is None:
         return
-    path, data = resume[0], resume[1]["data"]
+    path, state = resume
+    data = state["data"]
     if data["num_prompts"] != num_prompts or data["seed"] != cfg.train.seed:
-        raise ConfigError(f"--ckpt.resume: {path} was trained on {data['num_prompts']} prompts with --train.seed "
-                          f"{data['seed']}, this run has {num_prompts} and {cfg.train.seed}; resume with the same "
-                          "--data.prompt_dataset and --train.seed, or start a new run")
+        raise ConfigError(f"--ckpt.load_enable: {path} was trained on {data['num_prompts']} prompts with "
+                          f"--train.seed {data['seed']}, this run has {num_prompts} and {cfg.train.seed}; resume with "
+                          "the same --data.prompt_dataset and --train.seed, or start a new run")
+    if state["step"] >= cfg.train.max_steps:
+        raise ConfigError(f"--ckpt.load_enable: {path} has trained {state['step']} steps already; raise "
+                          f"--train.max_steps (now {cfg.train.max_steps}) or --train.num_episodes to train more")
 
 
 def read_state(path: str) -> dict:
@@ -136,7 +144,7 @@ def read_state(path: str) -> dict:
     else:
         problem = _state_problem(state)
     if problem:
-        raise ConfigError(f"--ckpt.resume: {state_file} {problem}; delete {path} to resume from the checkpoint "
+        raise ConfigError(f"--ckpt.load_enable: {state_file} {problem}; delete {path} to resume from the checkpoint "
                           "before it, or start a new run")
     return state
 

@@ -4,12 +4,13 @@ from openrlhf_async.config import config_with
 from openrlhf_async.rollout.controller import RolloutController
 
 
-def evaluate(cfg, engines: list, eval_prompts: list):
-    """k = --eval.n_samples_per_prompt episodes per held-out problem (greedy when k is 1): {"eval/mean@k": share of
-    correct samples, "eval/pass@k": share of problems with a correct sample, "eval/accuracy": mean@k}; None without
-    prompts. A sample is correct when the agent reports accuracy 1 (the math agents do), else when it scored."""
+def evaluate(cfg, engines: list, eval_prompts: list) -> tuple:
+    """k = --eval.n_samples_per_prompt episodes per held-out problem (greedy when k is 1). Returns (scores, groups):
+    scores {"eval/mean@k": share of correct samples, "eval/pass@k": share of problems with a correct sample,
+    "eval/accuracy": mean@k}, or None without prompts; groups: each problem's k episodes. A sample is correct when
+    the agent reports accuracy 1 (the math agents do), else when it scored."""
     if not eval_prompts:
-        return None
+        return None, []
     k = cfg.eval.n_samples_per_prompt
     budget = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     settings = config_with(cfg, rollout={"n_samples_per_prompt": k, "max_new_tokens": budget, "early_stop": False},
@@ -18,7 +19,7 @@ def evaluate(cfg, engines: list, eval_prompts: list):
     controller = RolloutController(settings, engines,
                                    sampling={"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p})
     groups, _ = controller.run(iter(eval_prompts).__next__, len(eval_prompts))
-    return eval_scores([[float(ep.extra_info.get("accuracy", ep.score > 0)) for ep in g] for g in groups])
+    return eval_scores([[float(ep.extra_info.get("accuracy", ep.score > 0)) for ep in g] for g in groups]), groups
 
 
 def eval_scores(correct: list) -> dict:

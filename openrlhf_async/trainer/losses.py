@@ -1,25 +1,48 @@
-"""Advantages and the clipped policy-gradient loss (plain torch, no distributed state)."""
+"""Advantages, the policy loss and the KL terms, as OpenRLHF 0.11.2 defines them (plain torch, no distributed state).
+
+Every per-token function takes [B, T] tensors over target positions and a mask of the response tokens the model
+wrote; the caller aggregates the per-token losses over the global batch (aggregate)."""
 
 import torch
 
+WHITENED = ("reinforce", "reinforce_baseline")  # estimators whose advantages are whitened over the batch's tokens
+KL_CLAMP = 10.0  # a KL estimate per token lies in [-10, 10]
+KL_IS_WEIGHT_CLIP = 10.0  # the largest importance weight of the unbiased KL-loss gradient
 
-def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_std_norm: bool = False) -> torch.Tensor:
-    """rewards: [groups, n]. Returns one advantage per sample, same shape.
 
-    group_norm (GRPO): (r - group mean) / group std; dr_grpo: r - group mean (no std, no length bias);
-    reinforce_baseline (REINFORCE++ with baseline): r - group mean, then whitened over the whole batch."""
+def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_std_norm: bool = False,
+                     clip_range: tuple = None, lengths: torch.Tensor = None) -> torch.Tensor:
+    """rewards: [groups, n]; lengths: [groups, n] response tokens the model wrote. One advantage per sample:
+
+    rloo: r minus the mean of the group's others; reinforce_baseline and dr_grpo: r minus the group mean;
+    group_norm (GRPO): (r - group mean) / (group std + 1e-9); flash_reinforce: r minus the batch mean; reinforce: r.
+    Then clipped to clip_range, and for reinforce and reinforce_baseline whitened over the batch's tokens (each
+    sample counts once per token; no_std_norm: centred only)."""
     if not torch.isfinite(rewards).all():  # the rollout refuses such rewards: one here is a bug, not a sample
         raise ValueError("a reward of inf or nan reached the advantages; it would turn its group's into nan")
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if estimator == "group_norm":
-        if no_std_norm:
-            return centred
-        return centred / (rewards.std(dim=1, keepdim=True) + 1e-6)
-    if estimator == "dr_grpo":
-        return centred
-    if estimator == "reinforce_baseline":
-        return (centred - centred.mean()) / (centred.std() + 1e-6)
-    raise ValueError(f"unknown advantage estimator {estimator!r}")
+    r, n = rewards.double(), rewards.shape[1]
+    if estimator == "rloo":
+        adv = r - (r.sum(dim=1, keepdim=True) - r) / max(1, n - 1)
+    elif estimator in ("reinforce_baseline", "dr_grpo"):
+        adv = r - r.mean(dim=1, keepdim=True)
+    elif estimator == "group_norm":
+        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-9)
+    elif estimator == "flash_reinforce":
+        adv = r - r.mean()
+    elif estimator == "reinforce":
+        adv = r
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    if clip_range is not None:
+        adv = adv.clamp(*clip_range)
+    if estimator in WHITENED:
+        weights = (torch.ones_like(adv) if lengths is None else lengths.double()).clamp(min=0)
+        total = weights.sum().clamp(min=1)
+        mean = (adv * weights).sum() / total
+        adv = adv - mean
+        if not no_std_norm:
+            adv = adv * ((adv.pow(2) * weights).sum() / total).clamp(min=1e-8).rsqrt()
+    return adv.to(rewards.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -28,43 +51,105 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def importance_weights(old_logp, behaviour_logp, correction: str = "tis", clamp: float = 2.0,
-                       band: tuple = (0.5, 2.0)):
-    """Per-token weight correcting for tokens sampled by the rollout engine (behaviour policy, its logprobs as
-    vLLM returned them) rather than the trainer's policy: w = pi_old / pi_behaviour, then
-    tis: truncated at `clamp`; icepop: kept inside `band` and zero (token masked) outside; none: 1.
-    Returns (weights, tokens truncated or masked)."""
-    w = torch.exp((old_logp - behaviour_logp).detach())
-    if correction == "tis":
-        return w.clamp(max=clamp), w > clamp
-    if correction == "icepop":
-        inside = (w >= band[0]) & (w <= band[1])
-        return torch.where(inside, w, torch.zeros_like(w)), ~inside
-    if correction == "none":
-        return torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
-    raise ValueError(f"unknown off-policy correction {correction!r}")
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy of each position's next-token distribution: [B, T]."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
-def policy_loss(logp, old_logp, behaviour_logp, advantages, mask, eps_low: float, eps_high: float,
-                correction: str = "tis", clamp: float = 2.0, band: tuple = (0.5, 2.0), ref_logp=None,
-                kl_coef: float = 0.0) -> dict:
-    """Token-level DAPO/GRPO loss, summed over the masked tokens (the caller divides by the global token count).
+def approx_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1", old_logp: torch.Tensor = None,
+              unbiased_gradient: bool = False) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) (Schulman's k1, k2, k3), clamped to [-10, 10]; k3's log-ratio is
+    bounded below first so exp cannot overflow. unbiased_gradient keeps the value and back-propagates the
+    importance-weighted reverse-KL gradient instead (the same for k1, k2 and k3)."""
+    log_ratio = logp.float() - ref_logp.float()
+    if estimator == "k1":
+        value = log_ratio
+    elif estimator == "k2":
+        value = log_ratio.pow(2) / 2
+    elif estimator == "k3":
+        bounded = log_ratio.clamp(min=-KL_CLAMP)
+        value = (-bounded).exp() - 1 + bounded
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    value = value.clamp(-KL_CLAMP, KL_CLAMP)
+    if not unbiased_gradient:
+        return value
+    w = 1.0 if old_logp is None else (logp.float() - old_logp.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    surrogate = w * log_ratio.pow(2) / 2
+    return value.detach() + surrogate - surrogate.detach()
 
-    Decoupled PPO: the ratio pi / pi_old is clipped to [1 - eps_low, 1 + eps_high] (clip-higher), and each token
-    is weighted by the off-policy correction of pi_old against the behaviour policy. With ref_logp and kl_coef,
-    adds the k3 estimate of KL(pi || pi_ref). Returns sums: loss, clipped, corrected (truncated or masked) tokens,
-    importance weight and KL."""
-    ratio = torch.exp(logp - old_logp)
+
+def kl_reward_advantages(kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """The KL penalty as a per-token reward (-coef * kl at each response token), returned to each token summed
+    from it to the response's end: what it adds to the token's advantage (gamma 1)."""
+    penalty = -coef * kl.detach() * mask
+    return penalty.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def correction_weights(old_logp, rollout_logp, mask, level: str, mode: str, gating: str, threshold: tuple):
+    """The train/rollout mismatch correction (OpenRLHF 0.11.2): per-token coefficient on the loss and which units
+    (tokens, or whole sequences at level seq) it filtered. The statistic is the ratio pi_train / pi_rollout (per
+    token, or its geometric mean per sequence), or the sampled token's binary KL / total variation between the two
+    policies; mask drops units outside [low, high] (survivors keep their ratio), clip clamps the ratio into it."""
+    low, high = threshold
+    log_ratio = (old_logp - rollout_logp).detach()
+    ratio = log_ratio.exp()
+    seq = level == "seq"
+
+    def per_sequence(x):
+        return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1).expand_as(x)
+
+    if gating == "ratio":
+        stat = (per_sequence(log_ratio) if seq else log_ratio).exp()
+    else:
+        p, q = rollout_logp.exp().clamp(1e-6, 1 - 1e-6), old_logp.exp().clamp(1e-6, 1 - 1e-6)
+        if gating == "binary_kl":
+            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        else:
+            stat = (p - q).abs()
+        stat = per_sequence(stat) if seq else stat
+    if mode == "clip":
+        return stat.clamp(low, high), (stat < low) | (stat > high)
+    keep = (stat >= low) & (stat <= high)
+    return torch.where(keep, ratio, torch.zeros_like(ratio)), ~keep
+
+
+def policy_loss(logp, old_logp, rollout_logp, advantages, mask, clip: tuple = (0.2, 0.2), dual_clip: float = None,
+                loss_type: str = "ppo", correction: dict = None) -> dict:
+    """Per-token PPO / GSPO loss (OpenRLHF 0.11.2's PolicyLoss before aggregation) and its figures as sums over the
+    masked tokens. correction: {level, mode, gating, threshold} of the train/rollout mismatch correction (level off:
+    none). Returns {"token_loss", "clipped", "corrected", "weight", "vllm_kl"}."""
+    correction = correction or {"level": "off"}
+    on = correction["level"] != "off"
+    if loss_type == "ppo":
+        ratio = (logp - old_logp).clamp(-20.0, 20.0).exp()
+    elif loss_type == "gspo":
+        log_ratio = logp - (rollout_logp if on else old_logp)
+        ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp().unsqueeze(-1) * mask
+    else:
+        raise ValueError(f"unknown policy loss type {loss_type!r}")
     surrogate = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    weights, corrected = importance_weights(old_logp, behaviour_logp, correction, clamp, band)
-    token_loss = -torch.minimum(surrogate, clipped) * weights
-    kl = torch.zeros_like(logp)
-    if ref_logp is not None and kl_coef > 0:
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1
-        token_loss = token_loss + kl_coef * kl
+    clipped = ratio.clamp(1 - clip[0], 1 + clip[1]) * advantages
+    loss = -torch.minimum(surrogate, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    weights, corrected = torch.ones_like(loss), torch.zeros_like(loss, dtype=torch.bool)
+    if on and loss_type == "ppo":
+        weights, corrected = correction_weights(old_logp, rollout_logp, mask, correction["level"],
+                                                correction["mode"], correction["gating"], correction["threshold"])
+        loss = weights * loss
     m = mask.bool()
-    return {"loss": (token_loss * mask).sum(), "clipped": int(((surrogate != clipped) & m).sum()),
-            "corrected": int((corrected & m).sum()), "weight": float((weights * mask).sum()),
-            "kl": float((kl.detach() * mask).sum())}
+    return {"token_loss": loss, "clipped": int(((clipped < surrogate) & m).sum()), "corrected": int((corrected & m).sum()),
+            "weight": float((weights * mask).sum()), "vllm_kl": float(((rollout_logp - old_logp) * mask).sum())}
+
+
+def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: int,
+              global_sequences: int) -> torch.Tensor:
+    """This micro batch's share of the batch's loss: token-mean sums over the batch's tokens, seq-mean-token-mean
+    averages each sequence's token mean over the batch's sequences (one with no response tokens counts for none)."""
+    if mode == "token-mean":
+        return (token_values * mask).sum() / max(1, global_tokens)
+    counts = mask.sum(-1)
+    per_sequence = (token_values * mask).sum(-1) / (counts + 1e-8)
+    return (per_sequence * (counts > 0)).sum() / max(1, global_sequences)

@@ -46,6 +46,14 @@ def _merge_rollout_metrics(into: dict, new: dict) -> None:
         into[key] = into[key] + value if key.startswith(_COUNTERS) and key in into else value
 
 
+def stop_properly_penalty(episode, coef) -> float:
+    """An episode's reward after ProRL's penalty of truncated responses (--reward.stop_properly_penalty_coef): in
+    [0, 1] it scales the reward, below 0 it replaces it; None: unchanged."""
+    if coef is None or episode.finish_reason != "length":
+        return episode.reward
+    return episode.reward * coef if coef >= 0 else coef
+
+
 def training_sample(episode, advantage: float) -> dict:
     """What the policy ranks train on from an episode: its tokens, which of them the model wrote, their rollout
     logprobs, and the episode's advantage."""
@@ -176,7 +184,9 @@ class TrainingActor:
         from openrlhf_async.data.prompts import StreamProgress
 
         self.cfg, self.policy, self.weight_sync = cfg, policy, weight_sync
-        self.queue, self.metrics_queue, self.eval_prompts = queue, metrics_queue, eval_prompts
+        # --eval.steps -1: no evaluation at all, as in OpenRLHF.
+        self.queue, self.metrics_queue = queue, metrics_queue
+        self.eval_prompts = eval_prompts if cfg.eval.steps > 0 else []
         self.stand_in_train_s = stand_in_train_s  # benchmarks: a timed stand-in for the optimizer step
         self.staleness = StalenessPolicy.from_config(cfg)
         self.stopped = threading.Event()
@@ -186,6 +196,7 @@ class TrainingActor:
         self.num_prompts, self.resumed = num_prompts, resumed
         self.progress = StreamProgress(**resumed["data_position"]) if resumed else StreamProgress()
         self.eval_start = resumed and resumed["eval_start"]  # the scores before training, for the summary
+        self.eval_answers = []  # the last evaluation's answers not logged yet
         self.totals = {"max_staleness": 0, "stale_samples_trained": 0, "stale_groups_dropped": 0}
         self.timeline = Timeline("trainer")
 
@@ -213,7 +224,7 @@ class TrainingActor:
                 scores = self._evaluate()
                 metrics.update({**scores, "timing/eval_s": self.timeline.last["eval"]})
             self._log(metrics, items)
-            if cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0:
+            if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0:
                 self._save_checkpoint(step)
         return {"eval_start": self.eval_start, "eval_end": scores, **self.totals,
                 "trainer_idle_ratio": self.timeline.idle_ratio(start, before), "staleness_limit": self.staleness.limit}
@@ -225,7 +236,8 @@ class TrainingActor:
             return self.resumed["step"] + 1, None
         self.eval_start = self._evaluate()
         if self.eval_start is not None:
-            self.metrics_queue.put({"step": 0, **self.eval_start, "weight_version": 0, "_spans": self.timeline.take()})
+            self.metrics_queue.put({"step": 0, **self.eval_start, "weight_version": 0, "_spans": self.timeline.take(),
+                                    "_samples": self._samples([])})
         return 1, self.eval_start
 
     def _next_batch(self, step: int):
@@ -244,6 +256,7 @@ class TrainingActor:
     def _step(self, items: list) -> dict:
         """One optimizer step on a batch's groups; returns the step's training, rollout and staleness figures. The
         generator made the batch for this version and left out what would be staler than the limit here."""
+        from openrlhf_async.rollout.episode import extra_log_means
         from openrlhf_async.trainer.losses import group_advantages
         from openrlhf_async.trainer.policy import loss_settings
 
@@ -256,18 +269,26 @@ class TrainingActor:
             if self.stand_in_train_s is not None:
                 time.sleep(self.stand_in_train_s)
             else:
-                rewards = torch.tensor([[ep.reward for ep in g] for g in groups])
-                advantages = group_advantages(rewards, self.cfg.algo.advantage_estimator,
-                                              self.cfg.algo.advantage_no_std_norm)
-                samples = [training_sample(ep, a) for g, adv in zip(groups, advantages)
-                           for ep, a in zip(g, adv.tolist())]
+                a, coef = self.cfg.algo, self.cfg.reward.stop_properly_penalty_coef
+                rewards = torch.tensor([[stop_properly_penalty(ep, coef) for ep in g] for g in groups],
+                                       dtype=torch.float64)
+                lengths = torch.tensor([[sum(ep.action_mask) for ep in g] for g in groups])
+                advantages = group_advantages(rewards, a.advantage_estimator, a.advantage_no_std_norm,
+                                              self.cfg.reward.clip_range, lengths)
+                samples = [training_sample(ep, adv) for g, row in zip(groups, advantages)
+                           for ep, adv in zip(g, row.tolist())]
                 stats = self.policy.train_step(samples, self.cfg.train.micro_batch_size, loss_settings(self.cfg))
                 metrics = {"reward/mean": rewards.mean().item(),
-                           "rollout/response_len_mean": sum(sum(s["action_mask"]) for s in samples) / len(samples),
-                           **{k: stats[k] for k in ("loss", "clip_ratio", "is_weight_mean", "is_corrected_ratio", "kl",
-                                                    "grad_norm")}}
+                           "rollout/response_len_mean": lengths.double().mean().item(),
+                           # tokens the environment wrote (multi-turn observations): masked out of the loss
+                           "rollout/observation_len_mean": sum(len(ep.response_ids) - sum(ep.action_mask)
+                                                               for g in groups for ep in g) / max(1, rewards.numel()),
+                           "rollout/truncated_ratio": sum(ep.finish_reason == "length" for g in groups for ep in g)
+                           / max(1, rewards.numel()),
+                           **{k: v for k, v in stats.items() if k != "tokens"}}
         for item in items:
             _merge_rollout_metrics(metrics, item.metrics)
+        metrics.update(extra_log_means(groups))  # the agents' and reward sources' extra_logs, per step
         report = version_report(groups, version)
         self.totals["max_staleness"] = max(self.totals["max_staleness"], report["staleness/max"])
         self.totals["stale_samples_trained"] += report["staleness/stale_samples"]
@@ -290,14 +311,24 @@ class TrainingActor:
         from openrlhf_async.trainer.evaluate import evaluate
 
         with self.timeline.span("eval"):  # on the engines alive at the last sync
-            return evaluate(self.cfg, self.weight_sync.engines, self.eval_prompts)
+            scores, groups = evaluate(self.cfg, self.weight_sync.engines, self.eval_prompts)
+        self.eval_answers = [g[0] for g in groups[: self.cfg.logger.log_samples]]
+        return scores
+
+    def _samples(self, groups: list) -> dict:
+        """The episodes whose text the metrics log keeps (utils/samples.py): the first --logger.log_samples groups
+        trained on and the evaluation answers since the last step."""
+        answers, self.eval_answers = self.eval_answers, []
+        return {"train": [ep for g in groups[: self.cfg.logger.log_samples] for ep in g], "eval": answers}
 
     def _log(self, metrics: dict, items: list) -> None:
-        """Send the step's record to the metrics log, with the prompt-stream positions it used up and the spans."""
+        """Send the step's record to the metrics log, with the prompt-stream positions it used up, the spans and the
+        episodes of a few samples."""
         used = [u for item in items for u in item.used]
         self.progress.add((position for position, _ in used), [o for item in items for o in item.flat])
         metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
         metrics["_spans"] = self._spans(items)
+        metrics["_samples"] = self._samples([g for item in items for g in item.groups])
         self.metrics_queue.put(metrics)
 
     def _spans(self, items: list) -> list:
@@ -322,7 +353,9 @@ class TrainingActor:
             deadline = time.time() + 30  # the step's record must be in metrics.jsonl before the checkpoint exists
             while self.metrics_queue.qsize() and time.time() < deadline:
                 time.sleep(0.05)
-            checkpoint.save(self.cfg.ckpt_path, step, self.policy, state, self.cfg.ckpt.max_num)
+            c = self.cfg.ckpt
+            checkpoint.save(self.cfg.ckpt_path, step, self.policy, state, c.max_num, deepspeed=not c.disable_ds,
+                            hf=c.save_hf or c.disable_ds)
 
 
 class PPOTrainerAsync:

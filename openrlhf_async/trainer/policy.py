@@ -3,12 +3,20 @@ off-policy correction against the rollout logprobs; optionally a frozen referenc
 
 Rank 0 also owns the sender side of the weight-sync group into the vLLM engines."""
 
+import math
 import os
 import socket
 
 import torch
 
-from openrlhf_async.trainer.losses import policy_loss, token_logprobs
+from openrlhf_async.trainer.losses import (
+    aggregate,
+    approx_kl,
+    kl_reward_advantages,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
 from openrlhf_async.utils.ray_utils import get_all
 from openrlhf_async.utils.timeline import Timeline
 
@@ -69,40 +77,71 @@ def make_collectives_synchronous() -> None:
 EMPTY_SAMPLE = {"prompt_ids": [0, 0], "response_ids": []}
 
 
+def deepspeed_config(ds: dict, max_norm: float) -> dict:
+    """The DeepSpeed config of the policy (and of its reference model) from the --ds.* settings."""
+    zero = {"stage": ds["zero_stage"], "overlap_comm": ds["overlap_comm"]}
+    if ds["zpg"] > 1:
+        zero["zero_hpz_partition_size"] = ds["zpg"]
+    if ds["adam_offload"]:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": max_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds["dtype"] == "bf16"},
+        "fp16": {"enabled": ds["dtype"] == "fp16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if ds["grad_accum_dtype"]:
+        config["data_types"] = {"grad_accum_dtype": ds["grad_accum_dtype"]}
+    return config
+
+
 class PolicyActor:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
-                 backend: str, zero_stage: int, dtype: str, lr: float, betas: tuple, weight_decay: float,
-                 max_norm: float, seed: int, reference: bool = False):
+                 backend: str, ds: dict, optim: dict, model: dict, seed: int, reference: bool = False):
+        """ds: deepspeed_config's settings; optim: lr, betas, eps, weight_decay, max_norm, scheduler, warmup_ratio,
+        min_lr_ratio, total_steps; model: attn_implementation, experts_implementation, gradient_checkpointing,
+        reentrant, deterministic."""
         # LOCAL_RANK 0: Ray gives each rank actor its own GPU as device 0 (CUDA_VISIBLE_DEVICES).
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         import deepspeed
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, enable_full_determinism, get_scheduler
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         torch.manual_seed(seed)
+        if model["deterministic"]:
+            enable_full_determinism(seed)
         if backend == "gloo":
             make_collectives_synchronous()
         deepspeed.init_distributed(dist_backend=backend)
-        self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": max_norm,
-            "zero_optimization": {"stage": zero_stage},
-            "bf16": {"enabled": dtype == "bf16"},
-            "fp16": {"enabled": dtype == "fp16"},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-        }
+        self.rank, self.world_size, self.zero_stage = rank, world_size, ds["zero_stage"]
+        ds_config = deepspeed_config(ds, optim["max_norm"])
         # Must exist (and stay referenced) before from_pretrained so transformers partitions weights for ZeRO-3.
-        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if zero_stage == 3 else None
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
+        from openrlhf_async.config import attn_implementation
+
+        load = {"dtype": TORCH_DTYPES[ds["dtype"]],
+                "attn_implementation": attn_implementation(model["attn_implementation"], model["device"])}
+        if model["experts_implementation"]:
+            load["experts_implementation"] = model["experts_implementation"]
+        policy = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        if model["gradient_checkpointing"]:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=optim["lr"], betas=tuple(optim["betas"]),
+                                      eps=optim["eps"], weight_decay=optim["weight_decay"])
+        total = max(1, optim["total_steps"])
+        extra = {"min_lr_rate": optim["min_lr_ratio"]} if optim["scheduler"] == "cosine_with_min_lr" else {}
+        scheduler = get_scheduler(optim["scheduler"], optimizer, num_warmup_steps=math.ceil(optim["warmup_ratio"] * total),
+                                  num_training_steps=total, scheduler_specific_kwargs=extra)
+        self.engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
         self.reference = None
         if reference:  # the initial policy, frozen (partitioned like the policy under ZeRO-3)
-            ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype])
+            ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load)
             self.reference, *_ = deepspeed.initialize(model=ref_model.eval().requires_grad_(False), config=ds_config)
         self.model_path = model_path
         self.sync_group = None
@@ -139,47 +178,71 @@ class PolicyActor:
         dev = self._device()
         return ids.to(dev), attn.to(dev), resp.to(dev), old.to(dev), adv.to(dev)
 
-    def _logprobs(self, ids, attn, temperature: float):
-        logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        return token_logprobs(logits, ids[:, 1:], temperature), logits
-
-    def train_step(self, samples: list, global_tokens: int, num_micro_batches: int, loss_cfg: dict) -> dict:
-        """One optimizer step over this rank's samples; the loss is a token mean over the global batch.
-        Every rank runs the same number of micro batches: ZeRO-3 gathers parameters collectively per forward.
-        loss_cfg: eps_low, eps_high, correction, clamp, band, kl_coef, temperature (see losses.policy_loss)."""
+    def train_step(self, samples: list, totals: dict, num_micro_batches: int, loss_cfg: dict) -> dict:
+        """One optimizer step over this rank's samples; the loss is aggregated over the global batch (totals: its
+        response tokens and sequences). Every rank runs the same number of micro batches: ZeRO-3 gathers parameters
+        collectively per forward. loss_cfg: see loss_settings."""
         with self.timeline.span("train"):
-            return self._train_step(samples, global_tokens, num_micro_batches, loss_cfg)
+            return self._train_step(samples, totals, num_micro_batches, loss_cfg)
 
-    def _train_step(self, samples: list, global_tokens: int, num_micro_batches: int, loss_cfg: dict) -> dict:
+    def _reference_logprobs(self, ids, attn, temperature: float, chunk: int):
+        """The reference model's log-probs, chunk samples per forward (--rollout.micro_batch_size)."""
+        with torch.no_grad():
+            return torch.cat([token_logprobs(self.reference(input_ids=ids[i : i + chunk],
+                                                            attention_mask=attn[i : i + chunk]).logits[:, :-1],
+                                             ids[i : i + chunk, 1:], temperature)
+                              for i in range(0, len(ids), chunk)])
+
+    def _train_step(self, samples: list, totals: dict, num_micro_batches: int, loss_cfg: dict) -> dict:
         self.engine.train()
-        totals = dict.fromkeys(["loss", "clipped", "corrected", "weight", "kl"], 0.0)
+        figures = dict.fromkeys(["loss", "clipped", "corrected", "weight", "vllm_kl", "kl", "entropy"], 0.0)
         tokens = 0
         size = -(-len(samples) // num_micro_batches) if samples else 1
         micro_batches = [samples[k * size : (k + 1) * size] or [EMPTY_SAMPLE] for k in range(num_micro_batches)]
+        kl_cfg, agg = loss_cfg["kl"], loss_cfg["agg"]
+        # GSPO's loss is a mean per sequence, as in OpenRLHF.
+        agg = "seq-mean-token-mean" if loss_cfg["loss_type"] == "gspo" else agg
+        share = dict(global_tokens=totals["tokens"], global_sequences=totals["sequences"])
         for k, micro in enumerate(micro_batches):
-            ids, attn, mask, behaviour, adv = self._batch(micro)
-            ref_logp = None
-            if self.reference is not None and loss_cfg["kl_coef"] > 0:
-                with torch.no_grad():
-                    ref_logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                    ref_logp = token_logprobs(ref_logits, ids[:, 1:], loss_cfg["temperature"])
-            logp, _ = self._logprobs(ids, attn, loss_cfg["temperature"])
+            ids, attn, mask, rollout_logp, adv = self._batch(micro)
+            logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            logp = token_logprobs(logits, ids[:, 1:], loss_cfg["temperature"])
             # One optimizer step per batch: the proximal policy is the current one (ratio 1, clipping inactive
-            # until several updates share a batch); the off-policy gap to vLLM's sampler is the importance weight.
-            out = policy_loss(logp, logp.detach(), behaviour, adv, mask, loss_cfg["eps_low"], loss_cfg["eps_high"],
-                              loss_cfg["correction"], loss_cfg["clamp"], tuple(loss_cfg["band"]), ref_logp,
-                              loss_cfg["kl_coef"])
-            # DeepSpeed averages gradients over ranks, so scale the global token mean back up by world size.
-            loss = out["loss"] * self.world_size / global_tokens
+            # until several updates share a batch); the train/rollout gap is the correction's business.
+            old_logp = logp.detach()
+            ref_logp = kl = None
+            if self.reference is not None and kl_cfg["coef"] > 0:
+                ref_logp = self._reference_logprobs(ids, attn, loss_cfg["temperature"], loss_cfg["ref_micro_batch"])
+                if not kl_cfg["use_loss"]:  # the KL as a per-token reward penalty, summed into later advantages
+                    adv = adv + kl_reward_advantages(approx_kl(old_logp, ref_logp, kl_cfg["estimator"]), mask,
+                                                     kl_cfg["coef"])
+            out = policy_loss(logp, old_logp, rollout_logp, adv, mask, loss_cfg["clip"], loss_cfg["dual_clip"],
+                              loss_cfg["loss_type"], loss_cfg["correction"])
+            loss = aggregate(out["token_loss"], mask, agg, **share)
+            if ref_logp is not None and kl_cfg["use_loss"]:
+                kl = approx_kl(logp, ref_logp, kl_cfg["estimator"], old_logp, kl_cfg["unbiased_gradient"])
+                loss = loss + kl_cfg["coef"] * aggregate(kl, mask, agg, **share)
+            elif ref_logp is not None:
+                kl = approx_kl(old_logp, ref_logp, kl_cfg["estimator"])
+            if loss_cfg["entropy_coef"] is not None:
+                entropy = token_entropy(logits, loss_cfg["temperature"])
+                if loss_cfg["entropy_coef"]:
+                    loss = loss - loss_cfg["entropy_coef"] * aggregate(entropy, mask, agg, **share)
+                figures["entropy"] += float((entropy.detach() * mask).sum())
+            # DeepSpeed averages gradients over ranks, so scale the global mean back up by world size.
             self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
-            self.engine.backward(loss, scale_wrt_gas=False)
-            for key in totals:
-                totals[key] += float(out[key])
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            figures["loss"] += float(loss)
+            for key in ("clipped", "corrected", "weight", "vllm_kl"):
+                figures[key] += float(out[key])
+            if kl is not None:
+                figures["kl"] += float((kl.detach() * mask).sum())
             tokens += int(mask.sum())
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
-        return {**totals, "tokens": tokens, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
+        return {**figures, "tokens": tokens, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                "lr": self.engine.get_lr()[0]}
 
     @torch.no_grad()
     def forward_logprobs(self, samples: list, temperature: float = 1.0) -> list:
@@ -187,7 +250,8 @@ class PolicyActor:
         Under ZeRO-3 every rank must call this with the same samples (parameters are gathered collectively)."""
         self.engine.eval()
         ids, attn, mask, _, _ = self._batch(samples)
-        logp, logits = self._logprobs(ids, attn, temperature)
+        logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = token_logprobs(logits, ids[:, 1:], temperature)
         greedy = logits.argmax(-1)
         out = []
         for i in range(len(samples)):
@@ -274,9 +338,8 @@ class PolicyGroup:
         master_addr, master_port = ray.util.get_node_ip_address(), free_port()
         opts = {"num_gpus": 1, "num_cpus": 0} if cfg.device == "cuda" else {"num_cpus": 0}
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))} if cfg.device == "cpu" else {}
-        kwargs = dict(backend=cfg.backend, zero_stage=cfg.ds.zero_stage, dtype=cfg.dtype, lr=cfg.actor.adam_lr,
-                      betas=cfg.actor.adam_betas, weight_decay=cfg.actor.adam_weight_decay,
-                      max_norm=cfg.actor.max_norm, seed=cfg.train.seed, reference=cfg.algo.kl_coef > 0)
+        kwargs = dict(backend=cfg.backend, ds=ds_settings(cfg), seed=cfg.train.seed,
+                      reference=cfg.algo.kl_init_coef > 0, optim=optimizer_settings(cfg), model=model_settings(cfg))
         self.actors = [
             actor_cls.options(**opts, runtime_env={"env_vars": env}).remote(
                 rank, world, master_addr, master_port, model_path, **kwargs)
@@ -292,29 +355,64 @@ class PolicyGroup:
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
-        global_tokens = max(1, sum(sum(s.get("action_mask", [1] * len(s["response_ids"]))) for s in samples))
+        """One optimizer step on the batch; returns the step's loss figures (means over the batch's tokens)."""
+        masks = [s.get("action_mask", [1] * len(s["response_ids"])) for s in samples]
+        totals = {"tokens": max(1, sum(map(sum, masks))), "sequences": max(1, sum(1 for m in masks if any(m)))}
         shards = self.shard(samples)
         num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
         results = get_all([
-            a.train_step.remote(shard, global_tokens, num_micro, loss_cfg) for a, shard in zip(self.actors, shards)
+            a.train_step.remote(shard, totals, num_micro, loss_cfg) for a, shard in zip(self.actors, shards)
         ])
-        total = {key: sum(r[key] for r in results) for key in ("loss", "clipped", "corrected", "weight", "kl")}
-        return {
-            "loss": total["loss"] / global_tokens,
-            "clip_ratio": total["clipped"] / global_tokens,
-            "is_weight_mean": total["weight"] / global_tokens,
-            "is_corrected_ratio": total["corrected"] / global_tokens,
-            "kl": total["kl"] / global_tokens,
+        total = {key: sum(r[key] for r in results) for key in results[0]}
+        tokens = totals["tokens"]
+        figures = {
+            "loss": total["loss"],
+            "clip_ratio": total["clipped"] / tokens,
+            "is_weight_mean": total["weight"] / tokens,
+            "is_filter_ratio": total["corrected"] / tokens,
+            "vllm_kl": total["vllm_kl"] / tokens,
+            "kl": total["kl"] / tokens,
             "grad_norm": results[0]["grad_norm"],
-            "tokens": sum(r["tokens"] for r in results),
+            "lr": results[0]["lr"],
+            "tokens": total["tokens"],
         }
+        if loss_cfg["entropy_coef"] is not None:
+            figures["entropy"] = total["entropy"] / tokens
+        return figures
+
+
+def ds_settings(cfg) -> dict:
+    d = cfg.ds
+    return {"zero_stage": d.zero_stage, "dtype": cfg.dtype, "overlap_comm": d.overlap_comm, "zpg": d.zpg,
+            "adam_offload": d.adam_offload and cfg.device == "cuda", "grad_accum_dtype": d.grad_accum_dtype}
+
+
+def optimizer_settings(cfg) -> dict:
+    a = cfg.actor
+    return {"lr": a.adam_lr, "betas": a.adam_betas, "eps": a.adam_eps, "weight_decay": a.adam_weight_decay,
+            "max_norm": a.max_norm, "scheduler": a.lr_scheduler, "warmup_ratio": a.lr_warmup_ratio,
+            "min_lr_ratio": a.min_lr_ratio, "total_steps": cfg.train.max_steps}
+
+
+def model_settings(cfg) -> dict:
+    a = cfg.actor
+    return {"attn_implementation": cfg.ds.attn_implementation, "device": cfg.device,
+            "experts_implementation": cfg.ds.experts_implementation,
+            "gradient_checkpointing": a.gradient_checkpointing_enable, "reentrant": a.gradient_checkpointing_reentrant,
+            "deterministic": cfg.train.full_determinism_enable}
 
 
 def loss_settings(cfg, **overrides) -> dict:
     """The loss settings PolicyGroup.train_step takes, from the run's config."""
-    settings = {"eps_low": cfg.actor.eps_clip, "eps_high": cfg.actor.eps_clip_high,
-                "correction": cfg.algo.off_policy_correction, "clamp": cfg.algo.tis_clamp,
-                "band": tuple(cfg.algo.icepop_band), "kl_coef": cfg.algo.kl_coef,
-                "temperature": cfg.rollout.temperature}
+    a, algo = cfg.actor, cfg.algo
+    settings = {
+        "clip": a.clip_range, "dual_clip": a.dual_clip, "loss_type": a.policy_loss_type, "agg": a.loss_agg_mode,
+        "entropy_coef": a.entropy_coef, "temperature": cfg.rollout.temperature,
+        "ref_micro_batch": cfg.rollout.micro_batch_size,
+        "correction": {"level": algo.is_correction_level, "mode": algo.is_correction_mode,
+                       "gating": algo.is_correction_gating, "threshold": tuple(algo.is_correction_threshold)},
+        "kl": {"coef": algo.kl_init_coef, "use_loss": algo.kl_use_loss, "estimator": algo.kl_estimator,
+               "unbiased_gradient": algo.kl_unbiased_gradient},
+    }
     settings.update(overrides)
     return settings

@@ -20,15 +20,17 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
     from openrlhf_async.utils.metrics import MetricsLog
+    from openrlhf_async.utils.samples import SampleText
 
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_prompts = tokenize_prompts(tokenizer, train_rows, cfg.data.apply_chat_template)
-    eval_prompts = tokenize_prompts(tokenizer, eval_rows, cfg.data.apply_chat_template)
-    too_long = [i for i, p in enumerate(train_prompts) if len(p["prompt_ids"]) + cfg.rollout.max_new_tokens > cfg.data.max_len]
+    tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
+    train_prompts = tokenize_prompts(tokenizer, train_rows, cfg.data.apply_chat_template, cfg.data.input_template)
+    eval_prompts = tokenize_prompts(tokenizer, eval_rows, cfg.data.apply_chat_template, cfg.data.input_template)
+    too_long = [i for i, p in enumerate(train_prompts) if cfg.budget(len(p["prompt_ids"])) < 1]
     if too_long:
-        raise ValueError(f"--data.max_len {cfg.data.max_len}: prompt {too_long[0]} plus --rollout.max_new_tokens "
-                         f"does not fit; raise --data.max_len or drop long prompts")
+        raise ValueError(f"--data.max_len {cfg.data.max_len}: prompt {too_long[0]} leaves no room for a response "
+                         f"(--rollout.max_new_tokens {cfg.rollout.max_new_tokens}); raise --data.max_len or drop "
+                         "long prompts")
 
     engines = create_engines(cfg, model_path, wait=False)
     policy = PolicyGroup(cfg, model_path)
@@ -42,14 +44,15 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
         print(f"resumed from {path}: step {resumed['step']}, weight version {resumed['weight_version']}", flush=True)
     setup_s = time.perf_counter() - start
     log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress, logger=cfg.logger, config=cfg,
-                     resume_step=resumed and resumed["step"])
+                     resume_step=resumed and resumed["step"],
+                     samples=SampleText(tokenizer, train_prompts + eval_prompts))
     try:
         result = PPOTrainerAsync(cfg, engines, policy, weight_sync, train_prompts, eval_prompts, resumed).run(log.log)
     finally:
         log.close()
     pictures = _report(cfg.run_dir)
 
-    output_dir = cfg.ckpt.output_dir or os.path.join(cfg.run_dir, "final_hf")
+    output_dir = cfg.output_dir
     get_all(policy.call("save_hf", output_dir))
     summary = {
         "mode": cfg.mode,
@@ -78,8 +81,8 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
 def _report(run_dir: str) -> list:
     """Draw the run's pictures (learning curves, actor timeline) and return their paths; a failure here must not
     fail a finished run."""
-    from openrlhf_async.utils.metrics import one_line, warn
     from openrlhf_async.trainer.report import write_report
+    from openrlhf_async.utils.metrics import one_line, warn
 
     try:
         report = write_report(run_dir)

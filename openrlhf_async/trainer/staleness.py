@@ -12,7 +12,7 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class StalenessPolicy:
-    """The mode (--mode, --train.partial_rollout and the async bounds) decoded once: how far the generator may run
+    """The mode (--mode, --train.partial_rollout_enable and the async bounds) decoded once: how far the generator may run
     ahead, how stale a trained sample may be, and how the engines behave around a weight sync.
 
     The generator may start item i at version v iff i < (v + 1) * items_per_sync + slack:
@@ -47,7 +47,7 @@ class StalenessPolicy:
     def from_config(cls, cfg) -> "StalenessPolicy":
         t = cfg.train
         return cls.for_mode(cfg.mode, cfg.queue_size, t.staleness_threshold, t.trigger_parameter_sync_step,
-                            t.require_batches, t.max_staleness, t.partial_rollout)
+                            t.require_batches, t.max_staleness, t.partial_rollout_enable)
 
     def may_produce(self, index: int, version: int) -> bool:
         return index < (version + 1) * self.items_per_sync + self.slack

@@ -1,7 +1,8 @@
 """Per-step metrics under one set of names: one JSON object per line in <run dir>/metrics.jsonl, a console
 progress bar, and optionally TensorBoard scalars (<run dir>/tensorboard) and Weights & Biases (<run dir>/wandb).
-Two side records go to their own files, one JSON object per line with its step: the prompts each step used up
-(used_prompts.jsonl) and the actors' activity spans (timeline.jsonl)."""
+Three side records go to their own files, one JSON object per line with its step: the prompts each step used up
+(used_prompts.jsonl), the actors' activity spans (timeline.jsonl) and the text of a few samples (samples.jsonl,
+also a W&B table and TensorBoard text; see samples.py)."""
 
 import dataclasses
 import json
@@ -9,6 +10,8 @@ import os
 import queue
 import sys
 import threading
+
+from openrlhf_async.utils.samples import TABLE_COLUMNS, console_line, markdown, table_rows
 
 
 def scalars(metrics: dict) -> dict:
@@ -46,15 +49,17 @@ def one_line(e: Exception) -> str:
 
 class MetricsLog:
     def __init__(self, run_dir: str, total_steps: int, progress: bool = True, logger=None, config=None,
-                 wandb_close_timeout_s: float = 60.0, resume_step: int = None):
+                 wandb_close_timeout_s: float = 60.0, resume_step: int = None, samples=None):
         """logger: the LoggerConfig choosing the extra backends; config: the run's Config (or a dict), recorded
         once in each. resume_step: continue a run's records after this step (what came later is dropped: that
-        part of the run was lost with the process and is trained again)."""
+        part of the run was lost with the process and is trained again). samples: the SampleText that turns the
+        episodes a step sends ("_samples") into text rows; without it they are not kept."""
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.file, self.used_file, self.timeline_file = (
+        self.file, self.used_file, self.timeline_file, self.samples_file = (
             _open_record(os.path.join(run_dir, name), resume_step)
-            for name in ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl"))
+            for name in ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl", "samples.jsonl"))
+        self.samples = samples
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -64,36 +69,47 @@ class MetricsLog:
         self.tensorboard = None
         self.wandb = None
         if dataclasses.is_dataclass(config):
-            config = dataclasses.asdict(config)
+            from openrlhf_async.config import to_dict
+
+            config = to_dict(config)
         config_text = json.dumps(config or {}, indent=2, default=str)
-        if logger is not None and logger.use_tensorboard:
+        self.logging_steps = logger.logging_steps if logger is not None else 1
+        if logger is not None and logger.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             # Resuming: TensorBoard hides what the killed run logged after the checkpoint.
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+            self.tensorboard = SummaryWriter(logger.tensorboard_dir.replace("{run_dir}", run_dir),
                                              purge_step=None if resume_step is None else resume_step + 1)
             # Indented four spaces: TensorBoard renders text as Markdown, and this keeps the JSON a code block.
             self.tensorboard.add_text("config", "\n".join("    " + line for line in config_text.splitlines()))
-        if logger is not None and logger.use_wandb:
+        if logger is not None and logger.wandb_enabled:
             mode = resolve_wandb_mode(logger.wandb_mode)
+            if logger.wandb_key:
+                os.environ["WANDB_API_KEY"] = logger.wandb_key  # what wandb.init reads; never written to the records
             if mode != "disabled":
                 name = logger.wandb_run_name or os.path.basename(os.path.normpath(run_dir))
                 self.wandb = WandbWriter(dict(dir=run_dir, project=logger.wandb_project, name=name, mode=mode,
+                                              entity=logger.wandb_org, group=logger.wandb_group,
                                               config=json.loads(config_text)), wandb_close_timeout_s)
 
     def log(self, metrics: dict) -> None:
         step = metrics.get("step")
-        used, spans = metrics.pop("_used", None), metrics.pop("_spans", ())
+        used, spans, episodes = metrics.pop("_used", None), metrics.pop("_spans", ()), metrics.pop("_samples", {})
         if used is not None:
             self.used_file.write(json.dumps({"step": step, **used}) + "\n")
         for span in spans:
             self.timeline_file.write(json.dumps({**span, "step": step}) + "\n")
         self.file.write(json.dumps(metrics) + "\n")
-        if self.tensorboard is not None:
+        tables = self._log_samples(step, episodes)
+        if step and step % self.logging_steps:  # --logger.logging_steps: W&B and TensorBoard get every Nth step
+            tables, sinks = {}, False
+        else:
+            sinks = True
+        if self.tensorboard is not None and sinks:
             for name, value in scalars(metrics).items():
                 self.tensorboard.add_scalar(name, value, global_step=step)
-        if self.wandb is not None:
-            self.wandb.log(scalars(metrics), step)
+        if self.wandb is not None and sinks:
+            self.wandb.log(scalars(metrics), step, tables)
         if "eval/accuracy" in metrics:
             self.last_accuracy = metrics["eval/accuracy"]
         if self.bar is not None:
@@ -108,10 +124,34 @@ class MetricsLog:
             if metrics.get("step", 0) > 0:  # step 0 is the evaluation before training
                 self.bar.update(1)
 
+    def _log_samples(self, step, episodes: dict) -> dict:
+        """Write the step's samples to samples.jsonl and TensorBoard, print an evaluation answer; returns them as
+        W&B tables (name -> (columns, rows))."""
+        if self.samples is None:
+            return {}
+        rows = self.samples.rows(step, episodes)
+        for row in rows:
+            self.samples_file.write(json.dumps(row, default=str) + "\n")
+        tables = {}
+        for kind in ("train", "eval"):
+            chosen = [r for r in rows if r["kind"] == kind]
+            if not chosen:
+                continue
+            tables[f"{kind}/generated_samples"] = (TABLE_COLUMNS, table_rows(chosen))
+            if self.tensorboard is not None:
+                self.tensorboard.add_text(f"{kind}/generated_samples", markdown(chosen), global_step=step)
+            if kind == "eval":
+                line = console_line(chosen[0])
+                if self.bar is not None:
+                    self.bar.write(line)
+                else:
+                    print(line, flush=True)
+        return tables
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        for f in (self.file, self.used_file, self.timeline_file):
+        for f in (self.file, self.used_file, self.timeline_file, self.samples_file):
             f.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -154,11 +194,12 @@ class WandbWriter:
         self.thread = threading.Thread(target=self._run, args=(init_kwargs,), name="wandb-logger", daemon=True)
         self.thread.start()
 
-    def log(self, metrics: dict, step) -> None:
+    def log(self, metrics: dict, step, tables: dict = None) -> None:
+        """tables: name -> (columns, rows), added to that name's W&B table (one per name, logged incrementally)."""
         if self.failed:
             return
         try:
-            self.pending.put_nowait((metrics, step))
+            self.pending.put_nowait((metrics, tables or {}, step))
         except queue.Full:
             self.dropped += 1
 
@@ -173,14 +214,20 @@ class WandbWriter:
             self.failed = True
             warn(f"wandb is off for this run: its init failed ({one_line(e)}); metrics.jsonl is complete")
             return
-        log_failed = False
+        log_failed, run_tables = False, {}
         while not (self.closing.is_set() and self.pending.empty()):
             try:
-                metrics, step = self.pending.get(timeout=0.1)
+                metrics, tables, step = self.pending.get(timeout=0.1)
             except queue.Empty:
                 continue
             try:
-                run.log(metrics, step=step)
+                for name, (columns, rows) in tables.items():
+                    # Incremental: each log sends only the new rows, the W&B page shows them all.
+                    if name not in run_tables:
+                        run_tables[name] = wandb.Table(columns=columns, log_mode="INCREMENTAL")
+                    for row in rows:
+                        run_tables[name].add_data(*row)
+                run.log({**metrics, **{name: run_tables[name] for name in tables}}, step=step)
             except Exception as e:
                 if not log_failed:  # once: a broken W&B would otherwise repeat it every step
                     warn(f"wandb.log failed ({one_line(e)}); later records may be missing from W&B")

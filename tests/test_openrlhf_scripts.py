@@ -1,0 +1,122 @@
+"""An OpenRLHF user's launch script, with only the module name swapped: OpenRLHF 0.11's asynchronous multi-turn
+agent recipe (train_reinforce_baseline_ray_agent_async.sh), its flags kept and only engines, ranks and sizes scaled
+to 2 CPU cores, validated with --dry_run and then trained for 2 steps on the real stack."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+# An AgentExecutor as OpenRLHF 0.11's example writes one: a random environment of 1 to 3 turns whose last turn
+# rewards 0 or 1 at random, and extra_logs.
+AGENT = '''
+import random
+
+import torch
+
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+        self.max_steps = random.randint(1, 3)
+
+    async def reset(self, states: dict, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        done = self.step_idx >= self.max_steps
+        reward = torch.randint(0, 2, (1,)).float() if done else torch.tensor(0)
+        feedback = "\\n=ok\\n" if done else "\\n=no, again\\n"
+        self.step_idx += 1
+        return {"rewards": reward, "scores": reward, "environment_feedback": feedback, "done": done,
+                "sampling_params": states.get("sampling_params", None), "extra_logs": {"dummy_scores": reward}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def openrlhf_script_flags(model: str, dataset: str, agent: str, save: str) -> list:
+    """The script's flags in its order; the comments say what was scaled (engines, ranks, sizes) to 2 CPU cores."""
+    return [
+        # CKPT_ARGS
+        "--actor.model_name_or_path", model, "--ckpt.load_enable", "--ckpt.output_dir", save,
+        "--ckpt.path", f"{save}/ckpt", "--ckpt.save_hf", "--ckpt.max_num", "3", "--ckpt.save_steps", "10",
+        # ROLLOUT_ARGS (max_len 74240 -> 256, max_new_tokens 64000 -> 48, batch 128 x 8 -> 4 x 4, train 1024 -> 16)
+        "--train.agent_func_path", agent, "--data.prompt_dataset", dataset, "--data.input_key", "prompt",
+        "--data.label_key", "label", "--data.max_len", "256", "--rollout.max_new_tokens", "48",
+        "--data.apply_chat_template", "--ds.packing_samples", "--rollout.batch_size", "4",
+        "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16", "--algo.dynamic_filtering_enable",
+        "--algo.dynamic_filtering_range", "0.0", "1.0", "--train.dynamic_batch_enable",
+        "--train.max_tokens_per_gpu", "16192", "--rollout.max_tokens_per_gpu", "32768", "--train.micro_batch_size", "1",
+        "--rollout.micro_batch_size", "8", "--data.max_samples", "128000", "--train.max_epochs", "1",
+        "--train.num_episodes", "1",
+        # ENGINE_ARGS (4 + 4 GPUs, 2 engines of tensor parallel 2 -> 2 CPU ranks each, 1 engine)
+        "--train.async_enable", "--train.partial_rollout_enable", "--ref.num_nodes", "1", "--ref.num_gpus_per_node",
+        "2", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+        "--vllm.tensor_parallel_size", "1", "--vllm.gpu_memory_utilization", "0.95", "--train.colocate_all",
+        "--ds.enable_sleep", "--vllm.sync_backend", "nccl", "--vllm.enforce_eager", "--ds.zero_stage", "3",
+        "--actor.gradient_checkpointing_enable", "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2",
+        "--ds.param_dtype", "bf16",
+        # OPTIMIZER_ARGS
+        "--algo.advantage.estimator", "reinforce_baseline", "--actor.adam.lr", "5e-7", "--actor.entropy_coef", "0.0",
+        "--algo.kl.init_coef", "1e-5", "--algo.kl.use_loss", "--algo.kl.estimator", "k2",
+        "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
+        # LOG_ARGS
+        "--logger.tensorboard_dir", f"{save}/runs", "--logger.logging_steps", "1", "--eval.steps", "-1",
+    ]
+
+
+@pytest.fixture
+def workspace(tmp_path, tiny_model_path):
+    """The script's inputs as local copies: 8 prompts (2 steps of 4), the agent file, a save folder."""
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for a in range(8):
+            f.write(json.dumps({"prompt": f"{a}+{a + 1}=", "label": str(2 * a + 1)}) + "\n")
+    (tmp_path / "agent_func.py").write_text(AGENT)
+    flags = openrlhf_script_flags(tiny_model_path, str(tmp_path / "prompts.jsonl"), str(tmp_path / "agent_func.py"),
+                                  str(tmp_path / "exp"))
+    return tmp_path, flags
+
+
+def _run(cwd, flags, timeout):
+    return subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", *flags], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "RAY_ADDRESS": ""})
+
+
+def test_openrlhfs_async_agent_script_passes_a_dry_run_with_notices_for_what_has_no_effect(workspace):
+    cwd, flags = workspace
+    proc = _run(cwd, [*flags, "--dry_run"], 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
+    for flag in ("--ds.packing_samples", "--train.dynamic_batch_enable", "--ds.ring_attn_size", "--ds.enable_sleep",
+                 "--ref.num_gpus_per_node", "importance-sampling correction icepop"):
+        assert any(flag in line for line in notices), (flag, notices)
+    report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])
+    assert report["config"]["mode"] == "fully_async" and report["config"]["algo"]["is_correction_mode"] == "mask"
+    assert report["datasets"]["train_rows"] == 8
+
+
+def test_openrlhfs_async_agent_script_trains_two_steps_on_cpu(workspace):
+    cwd, flags = workspace
+    proc = _run(cwd, flags, 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = cwd / "runs" / "demo"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2]  # 8 prompts / 4 per step, one episode; --eval.steps -1: no eval
+    for m in steps:
+        assert all(math.isfinite(m[k]) for k in ("loss", "kl", "entropy", "grad_norm", "lr"))
+        assert "rollout/extra/dummy_scores" in m  # the agent's extra_logs
+    # The agent's later turns: environment tokens in the responses, masked out of the loss.
+    assert sum(m["rollout/observation_len_mean"] for m in steps) > 0
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any(len(row["turns"]) > 1 for row in samples)
+    assert (cwd / "exp" / "config.json").is_file()  # the final model in --ckpt.output_dir
+    assert any((cwd / "exp" / "runs").iterdir())  # TensorBoard events in --logger.tensorboard_dir
