@@ -555,7 +555,7 @@ class Config:
                                   choices=("sync", "async", "fully_async"))
     device: str = setting("", "cpu or cuda; empty: cuda if available (env DEVICE overrides)",
                           choices=("", "cpu", "cuda"))
-    run_name: str = setting("demo", "the run folder under --runs_dir: a plain folder name")
+    run_name: str = setting("run", "the run folder under --runs_dir: a plain folder name (make demo uses demo)")
     runs_dir: str = setting("runs", "the folder holding the run folders")
     cache_dir: str = setting("", "where the embedded model is built; empty: env OPENRLHF_ASYNC_CACHE, else "
                                  "~/.cache/openrlhf_async")

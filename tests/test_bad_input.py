@@ -153,7 +153,7 @@ def _fake_checkpoint(ckpt, step, **data):
 
 
 def test_checkpoints_that_cannot_continue_the_run_are_refused_before_anything_starts(tmp_path, capsys):
-    ckpt = tmp_path / "runs" / "demo" / "ckpt"
+    ckpt = tmp_path / "runs" / "run" / "ckpt"
     _fake_checkpoint(ckpt, 4)
     (ckpt / "step_6.partial").mkdir()  # cut short by a kill: never resumed from
     assert run_cli(tmp_path, "--ckpt.save_steps", "2") == 2
@@ -257,7 +257,7 @@ def test_bad_environment_overrides_name_the_variable(tmp_path, capsys, monkeypat
     ],
 )
 def test_a_corrupt_checkpoint_state_is_one_line_naming_the_file(tmp_path, capsys, content, expected):
-    ckpt = tmp_path / "runs" / "demo" / "ckpt"
+    ckpt = tmp_path / "runs" / "run" / "ckpt"
     _fake_checkpoint(ckpt, 4)
     state = ckpt / "step_4" / "trainer_state.json"
     state.write_bytes(content)

@@ -70,7 +70,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
         assert [e.step for e in got] == [step for step, _ in points], name
         assert [e.value for e in got] == pytest.approx([value for _, value in points]), name
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert '"run_name": "demo"' in config_text and '"tensorboard_dir": null' in config_text
+    assert '"run_name": "run"' in config_text and '"tensorboard_dir": null' in config_text
 
 
 def test_a_resumed_log_continues_every_record_after_the_checkpoint_step(tmp_path):

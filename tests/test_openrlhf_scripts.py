@@ -108,7 +108,7 @@ def test_openrlhfs_async_agent_script_trains_two_steps_on_cpu(workspace):
     cwd, flags = workspace
     proc = _run(cwd, flags, 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = cwd / "runs" / "demo"
+    run_dir = cwd / "runs" / "run"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2]  # 8 prompts / 4 per step, one episode; --eval.steps -1: no eval
     for m in steps:

@@ -17,7 +17,7 @@ def run_cli(tmp_path, *flags):
     return main([PRESET, "--runs_dir", str(tmp_path / "runs"), "--no-progress", *flags])
 
 
-def earlier_run(tmp_path, name="demo") -> str:
+def earlier_run(tmp_path, name="run") -> str:
     """A run folder as a finished run leaves it (the parts the check looks at), with a checkpoint at step 2."""
     run_dir = tmp_path / "runs" / name
     (run_dir / "final_hf").mkdir(parents=True)
@@ -37,7 +37,7 @@ def fake_model(tmp_path) -> str:
 
 
 def test_a_fresh_dry_run_refuses_a_folder_with_an_earlier_runs_records(tmp_path, capsys):
-    run_dir = tmp_path / "runs" / "demo"
+    run_dir = tmp_path / "runs" / "run"
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert run_cli(tmp_path, "--dry_run") == 2
@@ -80,7 +80,7 @@ def test_overwrite_deletes_the_earlier_runs_records_before_the_run_starts(tmp_pa
 def test_load_enable_without_a_checkpoint_starts_a_new_run_and_says_so(tmp_path, capsys):
     assert run_cli(tmp_path, "--ckpt.load_enable", "--dry_run") == 0
     err = capsys.readouterr().err.strip()
-    assert err == (f"notice: --ckpt.load_enable: no checkpoint in {tmp_path / 'runs' / 'demo' / 'ckpt'}; starting a "
+    assert err == (f"notice: --ckpt.load_enable: no checkpoint in {tmp_path / 'runs' / 'run' / 'ckpt'}; starting a "
                    "new run"), err
 
 

@@ -239,10 +239,11 @@ class PolicyActor:
                 figures["kl"] += float((kl.detach() * mask).sum())
             tokens += int(mask.sum())
         self.engine.set_gradient_accumulation_boundary(True)
+        lr = self.engine.get_lr()[0]  # the rate this step uses (step() moves the schedule on)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         return {**figures, "tokens": tokens, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                "lr": self.engine.get_lr()[0]}
+                "lr": lr}
 
     @torch.no_grad()
     def forward_logprobs(self, samples: list, temperature: float = 1.0) -> list:
