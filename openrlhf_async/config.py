@@ -944,6 +944,8 @@ def _validate_model(cfg: Config) -> None:
         notice(f"--data.max_len {cfg.data.max_len} is above the model's max_position_embeddings ({positions}): "
                f"sequences are capped at {positions} tokens")
         cfg.data.max_len = positions
+    if cfg.device == "cpu" and cfg.ds.adam_offload:
+        notice("--ds.adam_offload has no effect on cpu: the optimizer state is in CPU memory already")
     if cfg.device == "cpu" and cfg.ds.param_dtype == "fp16":
         raise ConfigError("--ds.param_dtype fp16 does not train on cpu; use bf16 or fp32")
 
@@ -958,14 +960,7 @@ def _model_positions(model: Optional[str]):
 
         return DEFAULT_SETTINGS["max_positions"]
     if not os.path.isdir(model):
-        from transformers import AutoConfig
-
-        try:
-            return getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
-        except Exception as e:  # offline, no such repository, gated, not a transformers model
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ConfigError(f"--actor.model_name_or_path {model}: could not be fetched from the Hugging Face hub "
-                              f"({reason}); download it and give its folder") from None
+        return _hub_model_positions(model)
     config_file = os.path.join(model, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(f"--actor.model_name_or_path {model}: folder has no config.json")
@@ -974,6 +969,34 @@ def _model_positions(model: Optional[str]):
             return json.load(f).get("max_position_embeddings")
     except ValueError as e:
         raise ConfigError(f"--actor.model_name_or_path {model}: config.json is not valid JSON ({e})") from None
+
+
+def _hub_model_positions(model: str):
+    """A hub model's max_position_embeddings, from the local cache or the hub. Where the hub cannot be reached (an
+    offline login node, HF_HUB_OFFLINE), a notice says the model is fetched when the run starts; a hub that
+    answers that the model does not exist (or is gated) is an error now."""
+    import socket
+
+    from transformers import AutoConfig
+
+    try:
+        return getattr(AutoConfig.from_pretrained(model, local_files_only=True), "max_position_embeddings", None)
+    except Exception:  # not in the cache
+        pass
+    try:
+        if os.environ.get("HF_HUB_OFFLINE", "").strip() not in ("", "0"):
+            raise OSError("HF_HUB_OFFLINE is set")
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError as e:
+        notice(f"--actor.model_name_or_path {model}: the Hugging Face hub cannot be reached to check it ({e}); it is "
+               "fetched when the engines and ranks start")
+        return None
+    try:
+        return getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    except Exception as e:  # no such repository, gated, not a transformers model
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"--actor.model_name_or_path {model}: could not be fetched from the Hugging Face hub "
+                          f"({reason}); check the id, or download it and give its folder") from None
 
 
 def attn_implementation(wanted: str, device: str) -> str:

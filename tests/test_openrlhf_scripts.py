@@ -120,3 +120,28 @@ def test_openrlhfs_async_agent_script_trains_two_steps_on_cpu(workspace):
     assert any(len(row["turns"]) > 1 for row in samples)
     assert (cwd / "exp" / "config.json").is_file()  # the final model in --ckpt.output_dir
     assert any((cwd / "exp" / "runs").iterdir())  # TensorBoard events in --logger.tensorboard_dir
+
+
+def test_a_command_line_in_openrlhfs_older_spellings_runs_with_one_notice_per_old_flag(tmp_path, tiny_model_path):
+    """OpenRLHF before 0.10.2 spelled its flags flat (--pretrain, --prompt_data, ...); OpenRLHF 0.11 refuses them,
+    this project reads them as today's flags."""
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for a in range(4):
+            f.write(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n")
+    old = ["--pretrain", tiny_model_path, "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "question",
+           "--label_key", "answer", "--apply_chat_template", "--max_len", "256", "--max_new_tokens", "8",
+           "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "16",
+           "--micro_train_batch_size", "8", "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
+           "--actor_learning_rate", "1e-5", "--vllm_num_engines", "1", "--actor_num_gpus_per_node", "2",
+           "--zero_stage", "3", "--param_dtype", "fp32", "--enforce_eager", "--save_path", str(tmp_path / "out"),
+           "--ckpt_path", str(tmp_path / "ckpt"), "--eval_steps", "-1", "--async_train",
+           "--use_tensorboard", str(tmp_path / "tb")]
+    proc = _run(tmp_path, old, 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
+    spelled = [arg for arg in old if arg.startswith("--")]
+    assert [line.split()[1] for line in notices if "old spelling" in line] == spelled, notices
+    steps = [json.loads(line) for line in (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1] and math.isfinite(steps[0]["loss"])  # 4 prompts, 4 per step
+    assert json.loads((tmp_path / "runs" / "run" / "config.json").read_text())["mode"] == "async"
+    assert (tmp_path / "out" / "config.json").is_file() and any((tmp_path / "tb").iterdir())

@@ -5,7 +5,8 @@ from openrlhf_async.rollout.controller import RolloutController
 
 
 def evaluate(cfg, engines: list, eval_prompts: list) -> tuple:
-    """k = --eval.n_samples_per_prompt episodes per held-out problem (greedy when k is 1). Returns (scores, groups):
+    """k = --eval.n_samples_per_prompt episodes per held-out problem (at --eval.temperature; 0 is greedy).
+    Returns (scores, groups):
     scores {"eval/mean@k": share of correct samples, "eval/pass@k": share of problems with a correct sample,
     "eval/accuracy": mean@k}, or None without prompts; groups: each problem's k episodes. A sample is correct when
     the agent reports accuracy 1 (the math agents do), else when it scored."""

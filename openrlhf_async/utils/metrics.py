@@ -1,5 +1,6 @@
 """Per-step metrics under one set of names: one JSON object per line in <run dir>/metrics.jsonl, a console
-progress bar, and optionally TensorBoard scalars (<run dir>/tensorboard) and Weights & Biases (<run dir>/wandb).
+progress bar, and optionally TensorBoard scalars (--logger.tensorboard_dir) and Weights & Biases (run files in
+<run dir>/wandb).
 Three side records go to their own files, one JSON object per line with its step: the prompts each step used up
 (used_prompts.jsonl), the actors' activity spans (timeline.jsonl) and the text of a few samples (samples.jsonl,
 also a W&B table and TensorBoard text; see samples.py)."""
