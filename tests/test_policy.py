@@ -1,5 +1,7 @@
 """ZeRO-3 on 2 gloo ranks computes the same gradient as plain PyTorch in one process."""
 
+import os
+
 import ray
 import torch
 
@@ -79,3 +81,28 @@ def test_a_checkpoint_restores_weights_and_optimizer_exactly(restore_weights, po
         checkpoint.save(root, step, policy, {}, keep=2)
     os.makedirs(os.path.join(root, "step_4.partial"))  # a save cut short by a kill
     assert [step for step, _ in checkpoint.complete_checkpoints(root)] == [2, 3]
+
+
+def test_checkpoints_with_hf_weights_and_without_deepspeed_state(policy, stack_cfg, tmp_path):
+    """--ckpt.save_hf adds an HF model to a checkpoint; --ckpt.disable_ds leaves the DeepSpeed state out, and such a
+    checkpoint is refused for resuming, naming its HF folder."""
+    import json
+
+    import pytest
+
+    from openrlhf_async.config import ConfigError, config_with
+    from openrlhf_async.trainer import checkpoint
+
+    root = str(tmp_path / "ckpt")
+    both = checkpoint.save(root, 1, policy, {}, keep=3, hf=True)
+    assert os.path.isfile(os.path.join(both, "hf", "config.json")) and os.path.isdir(os.path.join(both, "deepspeed"))
+    hf_only = checkpoint.save(root, 2, policy, {}, keep=3, deepspeed=False, hf=True)
+    assert os.listdir(hf_only) and not os.path.exists(os.path.join(hf_only, "deepspeed"))
+    assert json.load(open(os.path.join(hf_only, checkpoint.STATE_FILE)))["deepspeed"] is False
+    state = json.load(open(os.path.join(both, checkpoint.STATE_FILE)))
+    state.update(weight_version=1, eval_start=None, data_position={"frontier": 0}, data={"num_prompts": 4, "seed": 1})
+    with open(os.path.join(hf_only, checkpoint.STATE_FILE), "w") as f:
+        json.dump({**state, "step": 2, "deepspeed": False}, f)
+    cfg = config_with(stack_cfg, ckpt={"path": root, "load_enable": True})
+    with pytest.raises(ConfigError, match="was saved with --ckpt.disable_ds"):
+        checkpoint.find_resume(cfg)
