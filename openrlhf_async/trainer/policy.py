@@ -131,8 +131,13 @@ class PolicyActor:
         policy = AutoModelForCausalLM.from_pretrained(model_path, **load)
         if model["gradient_checkpointing"]:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=optim["lr"], betas=tuple(optim["betas"]),
-                                      eps=optim["eps"], weight_decay=optim["weight_decay"])
+        adam = dict(lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"])
+        if ds["adam_offload"]:  # ZeRO-Offload steps the optimizer on the CPU: DeepSpeed's own CPU Adam (AdamW)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(policy.parameters(), adamw_mode=True, **adam)
+        else:
+            optimizer = torch.optim.AdamW(policy.parameters(), **adam)
         total = max(1, optim["total_steps"])
         extra = {"min_lr_rate": optim["min_lr_ratio"]} if optim["scheduler"] == "cosine_with_min_lr" else {}
         scheduler = get_scheduler(optim["scheduler"], optimizer, num_warmup_steps=math.ceil(optim["warmup_ratio"] * total),
