@@ -71,8 +71,6 @@ _NO_CRITIC = "no effect: no critic is trained here (the critic-free estimators n
 _NO_REWARD_MODEL = "no effect: rewards come from the agent, a reward_func file or a reward service, not a model"
 _NO_MUON = "no effect: only the adam optimizer is built (--actor.optim muon is refused)"
 _REF_ON_POLICY = "no effect: the reference model always sits on the policy's ranks, partitioned like it"
-_ONE_STEP = ("differs: with one optimizer step per rollout batch (PPO mini-batches are not built yet) the ratio "
-              "to the proximal policy is 1, so the clip does not act yet")
 _ISSUE_18 = "no effect: samples are padded per micro batch; token-budget batching and packing are not built yet"
 
 
@@ -84,13 +82,19 @@ class ActorConfig:
     num_nodes: int = setting(1, "nodes of DeepSpeed trainer ranks", range=">= 1", openrlhf="same")
     num_gpus_per_node: int = setting(8, "DeepSpeed ranks per node (CPU processes when the device is cpu)",
                                      range=">= 1", openrlhf="same")
+    proximal_policy: str = setting("recompute", "the policy the PPO ratio is clipped against (pi_old): recompute (the "
+                                                "weights before the batch's first update, recomputed by the trainer: "
+                                                "OpenRLHF's; with a single update per batch, the current weights) "
+                                                "or rollout (the engines' sampling log-probs: bounds a stale batch "
+                                                "even with one update, as veRL's bypass mode)",
+                                   choices=("recompute", "rollout"))
     eps_clip: float = setting(0.2, "PPO clip range (both sides unless --actor.eps_clip_low_high)", range="> 0",
-                              openrlhf=_ONE_STEP)
+                              openrlhf="same")
     eps_clip_low_high: Optional[tuple] = setting(None, "PPO clip range, low and high side (DAPO clip-higher: 0.2 "
                                                        "0.28); none: --actor.eps_clip on both sides", type=float,
-                                                 nargs=2, range="> 0", openrlhf=_ONE_STEP)
+                                                 nargs=2, range="> 0", openrlhf="same")
     dual_clip: Optional[float] = setting(None, "dual-clip PPO: bound of the loss of negative-advantage tokens (> 1); "
-                                               "none: off", type=float, range="> 1", openrlhf=_ONE_STEP)
+                                               "none: off", type=float, range="> 1", openrlhf="same")
     entropy_coef: Optional[float] = setting(None, "entropy bonus coefficient; 0 only logs the entropy; none: not "
                                                   "computed", type=float, range=">= 0", openrlhf="same")
     loss_agg_mode: str = setting("token-mean", "policy-loss aggregation: token-mean (over all tokens of the batch) "
@@ -269,12 +273,11 @@ class TrainConfig:
                                          "dynamic filtering OpenRLHF's episode ends when the prompts run out")
     max_steps: int = setting(-1, "training steps (each: rollout, update, weight sync); -1: from --train.num_episodes",
                              range="-1 or >= 1")
-    batch_size: int = setting(128, "samples per optimizer step; must be --rollout.batch_size x "
-                                   "--rollout.n_samples_per_prompt (one optimizer step per rollout batch)",
-                              range=">= 1", openrlhf="differs: PPO mini-batches (several optimizer steps per rollout "
-                                                     "batch) are not built yet; other values are refused")
-    max_epochs: int = setting(1, "passes of the optimizer over one rollout batch", range=">= 1",
-                              openrlhf="differs: 1 only; more are refused until PPO mini-batches exist")
+    batch_size: int = setting(128, "samples per optimizer step (PPO mini batch): a rollout batch of "
+                                   "--rollout.batch_size x --rollout.n_samples_per_prompt samples gives that many / "
+                                   "this updates per epoch, each clipped against --actor.proximal_policy",
+                              range=">= 1", openrlhf="same")
+    max_epochs: int = setting(1, "passes of the optimizer over one rollout batch", range=">= 1", openrlhf="same")
     micro_batch_size: int = setting(1, "samples per forward/backward on one rank", range=">= 1", openrlhf="same")
     seed: int = setting(42, "random seed of prompt order, sampling and training", openrlhf="same")
     full_determinism_enable: bool = setting(False, "deterministic algorithms on the trainer ranks (slower)",
@@ -870,13 +873,9 @@ def _validate_rollout(cfg: Config) -> None:
                           "vLLM engines here)")
     t = cfg.train
     per_step = r.batch_size * n * (t.require_batches if cfg.mode == "fully_async" else 1)
-    if t.batch_size != per_step:
-        raise ConfigError(f"--train.batch_size {t.batch_size}: must equal the samples of a rollout batch, "
-                          f"--rollout.batch_size x --rollout.n_samples_per_prompt = {per_step}: one optimizer step "
-                          "per batch (PPO mini-batches are not built yet)")
-    if t.max_epochs != 1:
-        raise ConfigError(f"--train.max_epochs {t.max_epochs}: only 1 is supported (one optimizer step per batch; "
-                          "PPO mini-batches and epochs are not built yet)")
+    if t.batch_size > per_step:
+        raise ConfigError(f"--train.batch_size {t.batch_size}: a mini batch cannot hold more than the rollout batch's "
+                          f"{per_step} samples (--rollout.batch_size x --rollout.n_samples_per_prompt)")
 
 
 _GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")

@@ -102,7 +102,7 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
     (["--actor.optim", "muon"], "--actor.optim muon: not supported here: only adam"),
     (["--train.colocate_all"], "--train.colocate_all: in sync mode OpenRLHF runs the hybrid engine"),
     (["--vllm.enable_sleep"], "--vllm.enable_sleep True: not supported here: engines never share"),
-    (["--train.batch_size", "128"], "--train.batch_size 128: must equal the samples of a rollout batch"),
+    (["--train.batch_size", "512"], "--train.batch_size 512: a mini batch cannot hold more than the rollout batch's"),
     (["--train.partial_rollout_enable"], "--train.partial_rollout_enable needs --train.async_enable"),
     (["--use_ms"], "--use_ms True: not supported here: ModelScope"),
 ])

@@ -106,3 +106,37 @@ def test_checkpoints_with_hf_weights_and_without_deepspeed_state(policy, stack_c
     cfg = config_with(stack_cfg, ckpt={"path": root, "load_enable": True})
     with pytest.raises(ConfigError, match="was saved with --ckpt.disable_ds"):
         checkpoint.find_resume(cfg)
+
+
+def test_the_clip_acts_from_the_second_mini_batch_update_against_the_recomputed_proximal_policy(
+        restore_weights, policy, stack_cfg, tmp_path):
+    """PPO's updates on one rollout batch: 8 samples in mini batches of 4, two epochs (4 optimizer steps), each
+    clipped against the weights before the first. The first update's ratio is 1 (nothing clipped); later ones move
+    away from it, so a tight clip range clips tokens and changes where the weights end, and a loose one clips none."""
+    from openrlhf_async.trainer.policy import loss_settings
+    from openrlhf_async.utils.ray_utils import get_all
+
+    samples = [{"prompt_ids": [3, 20 + i, 21, 4], "response_ids": [20 + i % 3, 21, 22, 23], "logprobs": [-2.0] * 4,
+                "advantage": 5.0 - 10 * (i % 2), "action_mask": [1, 1, 1, 1]} for i in range(8)]
+    start = str(tmp_path / "start")
+    get_all(policy.call("save_checkpoint", start))
+
+    def run(clip):
+        get_all(policy.call("load_checkpoint", start))
+        stats = policy.train_batch(samples, 4, loss_settings(stack_cfg, clip=clip), mini_batch_size=4, epochs=2)
+        return stats, get_all(policy.call("read_weight", "model.layers.0.mlp.down_proj.weight"))[0]
+
+    tight, tight_weights = run((0.001, 0.001))
+    loose, loose_weights = run((100.0, 100.0))
+    assert tight["updates"] == loose["updates"] == 4
+    assert tight["clip_ratio"] > 0 and loose["clip_ratio"] == 0
+    assert not torch.equal(tight_weights, loose_weights)
+    # One update per batch: the proximal policy is the current one and nothing is clipped, whatever the range.
+    get_all(policy.call("load_checkpoint", start))
+    single = policy.train_batch(samples, 4, loss_settings(stack_cfg, clip=(0.001, 0.001)), mini_batch_size=8, epochs=1)
+    assert single["updates"] == 1 and single["clip_ratio"] == 0
+    # Clipped against the rollout's own log-probs (a stale batch's sampler), the clip bounds even a single update.
+    get_all(policy.call("load_checkpoint", start))
+    bypass = policy.train_batch(samples, 4, loss_settings(stack_cfg, clip=(0.2, 0.2), proximal="rollout"),
+                                mini_batch_size=8, epochs=1)
+    assert bypass["updates"] == 1 and bypass["clip_ratio"] > 0

@@ -5,8 +5,9 @@
 #       python -m openrlhf_async.cli.prepare_data --dataset aime24 --input <AIME-2024> --output $DATA_DIR
 # DAPO's settings: 16 samples per prompt, clip 0.2 / 0.28, token-level loss, dynamic sampling, overlong buffer 4096
 # within a 20480-token response budget (penalty 1.0), lr 1e-6 (constant). One optimizer step per batch of 32 kept
-# prompts: DAPO itself makes 16 clipped updates on mini-batches of 32 from each 512-prompt batch, and PPO
-# mini-batches are not built here yet. Every setting is an OpenRLHF 0.11.2 flag or one of this project's.
+# prompts (--train.batch_size 512 = 32 x 16 samples); DAPO itself makes 16 clipped updates on mini batches of 32
+# prompts from each 512-prompt batch: --rollout.batch_size 512 --train.batch_size 512 reproduces that.
+# Every setting is an OpenRLHF 0.11.2 flag or one of this project's.
 # Usage: bash examples/scripts/train_dapo_qwen3_8b_async.sh [--dry_run] [more flags]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"

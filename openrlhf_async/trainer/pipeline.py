@@ -277,7 +277,9 @@ class TrainingActor:
                                               self.cfg.reward.clip_range, lengths)
                 samples = [training_sample(ep, adv) for g, row in zip(groups, advantages)
                            for ep, adv in zip(g, row.tolist())]
-                stats = self.policy.train_step(samples, self.cfg.train.micro_batch_size, loss_settings(self.cfg))
+                t = self.cfg.train
+                stats = self.policy.train_batch(samples, t.micro_batch_size, loss_settings(self.cfg), t.batch_size,
+                                                t.max_epochs, seed=t.seed + version)
                 metrics = {"reward/mean": rewards.mean().item(),
                            "rollout/response_len_mean": lengths.double().mean().item(),
                            # tokens the environment wrote (multi-turn observations): masked out of the loss

@@ -164,13 +164,16 @@ class PolicyActor:
         return next(self.engine.module.parameters()).device
 
     def _batch(self, samples: list):
-        """Right-padded input ids, attention mask and a mask of response positions in the shifted targets."""
+        """Right-padded input ids, attention mask, a mask of response positions in the shifted targets, the rollout
+        log-probs, the advantages and the proximal policy's log-probs ("old_logprobs"; None when no sample has
+        them: the current policy is the proximal one)."""
         length = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
         ids = torch.zeros(len(samples), length, dtype=torch.long)
         attn = torch.zeros(len(samples), length, dtype=torch.long)
         resp = torch.zeros(len(samples), length - 1)
         old = torch.zeros(len(samples), length - 1)
         adv = torch.zeros(len(samples), length - 1)
+        proximal = torch.zeros(len(samples), length - 1) if any("old_logprobs" in s for s in samples) else None
         for i, s in enumerate(samples):
             p, r = len(s["prompt_ids"]), len(s["response_ids"])
             ids[i, : p + r] = torch.tensor(s["prompt_ids"] + s["response_ids"])
@@ -180,8 +183,11 @@ class PolicyActor:
             if "logprobs" in s:
                 old[i, p - 1 : p + r - 1] = torch.tensor(s["logprobs"], dtype=torch.float32)
             adv[i, p - 1 : p + r - 1] = s.get("advantage", 0.0)
+            if proximal is not None and "old_logprobs" in s:
+                proximal[i, p - 1 : p + r - 1] = torch.tensor(s["old_logprobs"], dtype=torch.float32)
         dev = self._device()
-        return ids.to(dev), attn.to(dev), resp.to(dev), old.to(dev), adv.to(dev)
+        return (ids.to(dev), attn.to(dev), resp.to(dev), old.to(dev), adv.to(dev),
+                None if proximal is None else proximal.to(dev))
 
     def train_step(self, samples: list, totals: dict, num_micro_batches: int, loss_cfg: dict) -> dict:
         """One optimizer step over this rank's samples; the loss is aggregated over the global batch (totals: its
@@ -209,12 +215,12 @@ class PolicyActor:
         agg = "seq-mean-token-mean" if loss_cfg["loss_type"] == "gspo" else agg
         share = dict(global_tokens=totals["tokens"], global_sequences=totals["sequences"])
         for k, micro in enumerate(micro_batches):
-            ids, attn, mask, rollout_logp, adv = self._batch(micro)
+            ids, attn, mask, rollout_logp, adv, proximal = self._batch(micro)
             logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
             logp = token_logprobs(logits, ids[:, 1:], loss_cfg["temperature"])
-            # One optimizer step per batch: the proximal policy is the current one (ratio 1, clipping inactive
-            # until several updates share a batch); the train/rollout gap is the correction's business.
-            old_logp = logp.detach()
+            # The proximal policy (pi_old) the ratio is clipped against: the policy before the batch's first update
+            # (recomputed, or the rollout's), or with a single update the current one (ratio 1, the clip idle).
+            old_logp = logp.detach() if proximal is None else proximal
             ref_logp = kl = None
             if self.reference is not None and kl_cfg["coef"] > 0:
                 ref_logp = self._reference_logprobs(ids, attn, loss_cfg["temperature"], loss_cfg["ref_micro_batch"])
@@ -251,11 +257,29 @@ class PolicyActor:
                 "lr": lr}
 
     @torch.no_grad()
+    def proximal_logprobs(self, samples: list, num_micro_batches: int, temperature: float) -> list:
+        """This rank's samples' log-probs at every response position (observations too) under the current weights:
+        pi_old for the batch's updates. Every rank runs the same number of micro batches (ZeRO-3)."""
+        with self.timeline.span("train"):
+            self.engine.eval()
+            size = -(-len(samples) // num_micro_batches) if samples else 1
+            out = []
+            for k in range(num_micro_batches):
+                micro = samples[k * size : (k + 1) * size]
+                ids, attn, *_ = self._batch(micro or [EMPTY_SAMPLE])
+                logp = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:],
+                                      temperature)
+                for i, s in enumerate(micro):
+                    p, r = len(s["prompt_ids"]), len(s["response_ids"])
+                    out.append(logp[i, p - 1 : p + r - 1].tolist())
+            return out
+
+    @torch.no_grad()
     def forward_logprobs(self, samples: list, temperature: float = 1.0) -> list:
         """Per-response-token logprobs and greedy (argmax) tokens under the current weights.
         Under ZeRO-3 every rank must call this with the same samples (parameters are gathered collectively)."""
         self.engine.eval()
-        ids, attn, mask, _, _ = self._batch(samples)
+        ids, attn, mask, *_ = self._batch(samples)
         logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], temperature)
         greedy = logits.argmax(-1)
@@ -360,6 +384,38 @@ class PolicyGroup:
         """Start the same method on every rank; returns the object refs."""
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
+    def train_batch(self, samples: list, micro_batch_size: int, loss_cfg: dict, mini_batch_size: int, epochs: int,
+                    seed: int = 0) -> dict:
+        """PPO's updates on a rollout batch: `epochs` passes over it in shuffled mini batches of `mini_batch_size`
+        samples, each an optimizer step, all clipped against the same proximal policy: the weights before the first
+        update (recomputed once here), or the rollout's own log-probs (loss_cfg["proximal"] "rollout"). With a
+        single update the proximal policy is the current one and nothing is recomputed. Returns the figures'
+        means over the updates, and their count."""
+        import random
+
+        per_epoch = -(-len(samples) // mini_batch_size)
+        updates = epochs * per_epoch
+        if loss_cfg["proximal"] == "rollout":
+            samples = [{**s, "old_logprobs": s["logprobs"]} for s in samples]
+        elif updates > 1:
+            shards = self.shard(samples)
+            num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
+            olds = get_all([a.proximal_logprobs.remote(shard, num_micro, loss_cfg["temperature"])
+                            for a, shard in zip(self.actors, shards)])
+            by_rank = [iter(o) for o in olds]
+            samples = [{**s, "old_logprobs": next(by_rank[i % len(self.actors)])} for i, s in enumerate(samples)]
+        rng, results = random.Random(seed), []
+        for _ in range(epochs):
+            order = list(range(len(samples)))
+            if updates > 1:
+                rng.shuffle(order)
+            for k in range(0, len(order), mini_batch_size):
+                results.append(self.train_step([samples[i] for i in order[k : k + mini_batch_size]], micro_batch_size,
+                                               loss_cfg))
+        figures = {key: sum(r[key] for r in results) / len(results) for key in results[0] if key != "tokens"}
+        return {**figures, "grad_norm": results[-1]["grad_norm"], "tokens": sum(r["tokens"] for r in results),
+                "updates": len(results)}
+
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
         """One optimizer step on the batch; returns the step's loss figures (means over the batch's tokens)."""
         masks = [s.get("action_mask", [1] * len(s["response_ids"])) for s in samples]
@@ -397,7 +453,15 @@ def optimizer_settings(cfg) -> dict:
     a = cfg.actor
     return {"lr": a.adam_lr, "betas": a.adam_betas, "eps": a.adam_eps, "weight_decay": a.adam_weight_decay,
             "max_norm": a.max_norm, "scheduler": a.lr_scheduler, "warmup_ratio": a.lr_warmup_ratio,
-            "min_lr_ratio": a.min_lr_ratio, "total_steps": cfg.train.max_steps}
+            "min_lr_ratio": a.min_lr_ratio, "total_steps": cfg.train.max_steps * updates_per_step(cfg)}
+
+
+def updates_per_step(cfg) -> int:
+    """Optimizer steps per training step: --train.max_epochs passes over the rollout batch in mini batches of
+    --train.batch_size samples."""
+    t, r = cfg.train, cfg.rollout
+    samples = r.batch_size * r.n_samples_per_prompt * (t.require_batches if cfg.mode == "fully_async" else 1)
+    return t.max_epochs * -(-samples // t.batch_size)
 
 
 def model_settings(cfg) -> dict:
@@ -412,7 +476,7 @@ def loss_settings(cfg, **overrides) -> dict:
     """The loss settings PolicyGroup.train_step takes, from the run's config."""
     a, algo = cfg.actor, cfg.algo
     settings = {
-        "clip": a.clip_range, "dual_clip": a.dual_clip, "loss_type": a.policy_loss_type, "agg": a.loss_agg_mode,
+        "proximal": a.proximal_policy, "clip": a.clip_range, "dual_clip": a.dual_clip, "loss_type": a.policy_loss_type, "agg": a.loss_agg_mode,
         "entropy_coef": a.entropy_coef, "temperature": cfg.rollout.temperature,
         "ref_micro_batch": cfg.rollout.micro_batch_size,
         "correction": {"level": algo.is_correction_level, "mode": algo.is_correction_mode,
