@@ -119,7 +119,7 @@ def test_a_failing_generator_stops_the_trainer_with_its_cause(restore_weights, e
 def test_a_failing_trainer_stops_the_generator(restore_weights, engines, policy, weight_sync, prompts, stack_cfg):
     cfg = _cfg(stack_cfg, "async", steps=50)
     pipeline = PPOTrainerAsync(cfg, engines, None, weight_sync, prompts, [])  # no policy: the first step fails
-    with pytest.raises(AttributeError, match="train_step"):  # None has no train_step
+    with pytest.raises(AttributeError, match="train_batch"):  # None has no train_batch
         pipeline.run(lambda m: None)
     assert _gone(pipeline.generator) and _gone(pipeline.trainer)
     for engine in engines:
