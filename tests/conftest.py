@@ -112,3 +112,38 @@ def restore_weights(policy, tmp_path_factory, request):
     ray.get(policy.call("load_checkpoint", path))
     if "weight_sync" in request.fixturenames:
         request.getfixturevalue("weight_sync").sync()
+
+
+class ByteTokenizer:
+    """A tokenizer of bytes, for episodes driven without a model."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        import torch
+
+        return {"input_ids": torch.tensor([list(text.encode())], dtype=torch.long)}
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode()
+
+
+class FakeEngine:
+    """What GroupRunner reaches vLLM through: a tokenizer and generate. The model always answers "ok"."""
+
+    tokenizer = ByteTokenizer()
+
+    async def generate(self, prompt_ids, sampling, request_id, group_id):
+        ids = list(b"ok")
+        return {"response_ids": ids, "logprobs": [-1.0] * len(ids), "token_versions": [0] * len(ids),
+                "finish_reason": "stop"}
+
+
+def user_file(tmp_path, name, body) -> str:
+    """A user's .py file written under tmp_path (body dedented); its path."""
+    import textwrap
+
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)

@@ -2,43 +2,18 @@
 and the reward source are chosen per call on one runner (as on one shared engine), and each is loaded once."""
 
 import asyncio
-import textwrap
 
+from conftest import FakeEngine, user_file
 from openrlhf_async.config import AgentConfig, RewardConfig
 from openrlhf_async.rollout.group_runner import GroupRunner
 
 
-class ByteTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(ids).decode()
-
-
-class FakeEngine:
-    """What the runner reaches vLLM through: a tokenizer and generate. The model always answers "ok"."""
-
-    tokenizer = ByteTokenizer()
-
-    async def generate(self, prompt_ids, sampling, request_id, group_id):
-        ids = list(b"ok")
-        return {"response_ids": ids, "logprobs": [-1.0] * len(ids), "token_versions": [0] * len(ids),
-                "finish_reason": "stop"}
-
-
-def _file(tmp_path, name, body):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
 def test_agent_and_reward_source_are_chosen_per_call_and_loaded_once(tmp_path):
-    own = _file(tmp_path, "own.py", """
+    own = user_file(tmp_path, "own.py", """
         async def step(state, action, label):
             return 0.25, state + action, True, {}
     """)
-    counting = _file(tmp_path, "counting.py", """
+    counting = user_file(tmp_path, "counting.py", """
         import itertools
 
         calls = itertools.count()  # module state: survives between calls only if the file is loaded once
@@ -46,7 +21,7 @@ def test_agent_and_reward_source_are_chosen_per_call_and_loaded_once(tmp_path):
         async def step(state, action, label):
             return float(next(calls)), state + action, True, {}
     """)
-    reward_file = _file(tmp_path, "reward.py", """
+    reward_file = user_file(tmp_path, "reward.py", """
         async def reward_func(queries, prompts, labels):
             return {"rewards": [float(q == p + "ok") for q, p in zip(queries, prompts)]}
     """)

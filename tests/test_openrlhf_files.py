@@ -6,13 +6,13 @@ reward sources, shaping, the batch's filter and the advantages are real."""
 import asyncio
 import math
 import re
-import textwrap
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import ByteTokenizer, FakeEngine, user_file
 from openrlhf_async.agent import AgentStepError, check_step_result, load_agent
 from openrlhf_async.config import AgentConfig, RewardConfig
 from openrlhf_async.reward.shaping import shape_rewards
@@ -24,38 +24,8 @@ from openrlhf_async.rollout.group_runner import GroupRunner
 from openrlhf_async.trainer.losses import group_advantages
 
 
-class ByteTokenizer:
-    """One token per byte; callable as an HF tokenizer too (OpenRLHF's executors tokenise that way)."""
-
-    def __call__(self, text, add_special_tokens=False, return_tensors=None):
-        return {"input_ids": torch.tensor([list(text.encode())], dtype=torch.long)}
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(ids).decode()
-
-
-class FakeEngine:
-    """What GroupRunner reaches vLLM through; the model always answers "ok"."""
-
-    tokenizer = ByteTokenizer()
-
-    async def generate(self, prompt_ids, sampling, request_id, group_id):
-        ids = list(b"ok")
-        return {"response_ids": ids, "logprobs": [-1.0] * len(ids), "token_versions": [0] * len(ids),
-                "finish_reason": "stop"}
-
-
-def _file(tmp_path, name, body):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
 def _reward_func(tmp_path, answer: str):
-    return load_reward_func(_file(tmp_path, "reward.py", f"""
+    return load_reward_func(user_file(tmp_path, "reward.py", f"""
         import math
 
         import numpy as np
@@ -114,12 +84,12 @@ def test_extra_log_means_are_per_key_over_the_episodes_that_logged_a_number():
 
 
 def test_scores_drive_the_filter_and_rewards_drive_the_advantages(tmp_path):
-    agent = _file(tmp_path, "agent.py", """
+    agent = user_file(tmp_path, "agent.py", """
         async def step(state, action, label):
             return 0.0, state + action, True, {}
     """)
     # Called once per episode: the group's two episodes get i = 0 and 1. One figure varies, the other does not.
-    reward = _file(tmp_path, "reward.py", """
+    reward = user_file(tmp_path, "reward.py", """
         import itertools
 
         calls = itertools.count()
@@ -181,7 +151,7 @@ STEP_0_8 = """
 
 
 def test_an_openrlhf_0_8_step_file_runs_a_two_turn_episode(tmp_path):
-    path = _file(tmp_path, "agent_0_8.py", STEP_0_8)
+    path = user_file(tmp_path, "agent_0_8.py", STEP_0_8)
     runner = GroupRunner(AgentConfig(func_path=path, max_steps=4), RewardConfig())
     (ep,) = asyncio.run(runner.run(FakeEngine(), list(b"Q:"), "7", 1, {}, "g0", 64))
     assert ep.error is None and ep.turns == 2
@@ -243,7 +213,7 @@ async def _say_ok(prompt_ids, params, request_id):
 
 
 def test_an_agent_instance_with_an_async_init_is_awaited(tmp_path):
-    agent = load_agent(_file(tmp_path, "async_init.py", ASYNC_INIT_AGENT))
+    agent = load_agent(user_file(tmp_path, "async_init.py", ASYNC_INIT_AGENT))
     with pytest.raises(TypeError, match="should return None"):  # why OpenRLHF's executor cannot build it
         with pytest.warns(RuntimeWarning, match="never awaited"):
             agent.executor.agent_instance_cls.__mro__[1]()
