@@ -56,7 +56,8 @@ def _dry_run(script, data_dir, *flags):
 @pytest.mark.parametrize("script, gpus, expected", [
     ("train_dapo_qwen3_8b_async.sh", 16, {"rollout.n_samples_per_prompt": 16, "actor.eps_clip_low_high": [0.2, 0.28],
                                            "reward.overlong_buffer_len": 4096, "rollout.max_new_tokens": 20480,
-                                           "actor.adam_lr": 1e-6, "mode": "async"}),
+                                           "actor.adam_lr": 1e-6, "mode": "async",
+                                           "rollout.batch_size": 512, "train.batch_size": 512}),
     ("train_fully_async_qwen25_math_7b.sh", 16, {"train.staleness_threshold": 0.5, "train.partial_rollout_enable": True,
                                                   "train.trigger_parameter_sync_step": 4,
                                                   "train.require_batches": 4, "mode": "fully_async"}),

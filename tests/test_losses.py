@@ -1,5 +1,9 @@
-"""Advantages, the policy loss, the mismatch correction and the KL terms against hand-computed values (OpenRLHF
-0.11.2's definitions)."""
+"""Advantages, the policy loss, the mismatch correction and the KL terms against values computed by hand from
+OpenRLHF 0.11.2's definitions: the estimators from `openrlhf/trainer/ppo_utils/experience_maker.py`
+(RemoteExperienceMaker.compute_advantages_and_returns: the group baselines, then the token-level whitening of
+reinforce / reinforce_baseline), the KL from `openrlhf/models/utils.py` (compute_approx_kl, compute_reward), the
+loss from `openrlhf/models/loss.py` (PolicyLoss: clip, dual clip, GSPO, the TIS / ICEPOP / sequence-mask
+correction)."""
 
 import math
 
@@ -134,6 +138,25 @@ def test_kl_estimators_and_their_clamp():
     far = approx_kl(torch.tensor([[-1.0, -100.0]]), torch.tensor([[-1.2, -5.0]]), "k3")
     assert torch.isfinite(far).all() and far[0, 1].item() == 10.0
     assert aggregate(far, torch.tensor([[1.0, 0.0]]), "token-mean", 1, 1).isfinite()
+
+
+def test_k3_kl_cannot_give_a_huge_gradient_or_a_nan():
+    # A sampled token with pi = 1e-4 and pi_ref = 0.5 at coefficient 1e-3: unclamped, k3 = 4990 and the token's
+    # gradient coefficient is coef * (1 - pi_ref / pi) = -5, some 5000 times a typical token's. Clamped at 10 as
+    # OpenRLHF and veRL clamp it, the estimate stops there and gives that token no gradient; a token within the
+    # clamp keeps k3's own gradient, coef * (1 - pi_ref / pi).
+    logp = torch.log(torch.tensor([[1e-4, 0.1]])).requires_grad_()
+    kl = approx_kl(logp, torch.log(torch.tensor([[0.5, 0.5]])), "k3")
+    (1e-3 * kl.sum()).backward()
+    assert kl[0, 0].item() == 10.0 and logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(1e-3 * (1 - 0.5 / 0.1))
+    # The issue's NaN: a masked position where ref - logp = 95 once overflowed exp and gave inf * 0 = nan in the loss
+    # and in every gradient of the step.
+    logp = torch.tensor([[-1.0, -100.0]], requires_grad=True)
+    loss = 1e-3 * aggregate(approx_kl(logp, torch.tensor([[-1.2, -5.0]]), "k3"), torch.tensor([[1.0, 0.0]]),
+                            "token-mean", 1, 1)
+    loss.backward()
+    assert loss.isfinite() and torch.isfinite(logp.grad).all() and logp.grad[0, 1].item() == 0.0
 
 
 def test_unbiased_kl_gradient_is_the_same_for_every_estimator():

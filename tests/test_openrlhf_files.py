@@ -122,13 +122,25 @@ def test_scores_drive_the_filter_and_rewards_drive_the_advantages(tmp_path):
 
 
 def test_overlong_shaping_goes_to_the_reward_not_the_score():
-    group = [Episode("r", [1], response_ids=[1, 2], score=1.0, raw_reward=0.25),
-             Episode("s", [1], response_ids=[1, 2], score=0.5)]  # an engine giving one figure: both
+    group = [Episode("r", [1], response_ids=[1, 2], action_mask=[1, 1], score=1.0, raw_reward=0.25),
+             Episode("s", [1], response_ids=[1, 2], action_mask=[1, 1], score=0.5)]  # one figure: both
     shape_rewards(group, budget=3, buffer=2, factor=1.0)  # 2 tokens, 1 into the buffer of 2: -0.5
     assert [(ep.score, ep.raw_reward, ep.reward) for ep in group] == [(1.0, 0.25, -0.25), (0.5, 0.5, 0.0)]
     bad = [Episode("r", [1], score=1.0, raw_reward=math.nan)]
     shape_rewards(bad, budget=3, buffer=0, factor=1.0)
     assert (bad[0].score, bad[0].reward) == (0.0, 0.0) and bad[0].error[1].startswith("RewardError: the episode's")
+
+
+def test_overlong_shaping_counts_the_models_tokens_against_each_episodes_own_budget():
+    # A two-turn episode: 4 model tokens, 6 observation tokens, 2 model tokens. Its length is the model's 6 tokens
+    # (DAPO's |y|), not the 12 of its response, which would put it at the budget and give the full penalty.
+    multi_turn = Episode("m", [1], response_ids=list(range(12)), action_mask=[1] * 4 + [0] * 6 + [1] * 2, score=1.0)
+    shape_rewards([multi_turn], budget=12, buffer=8, factor=1.0)  # 6 tokens, 2 into the buffer of 8
+    assert multi_turn.reward == pytest.approx(1.0 - 0.25)
+    # One budget per episode (a group carried over with what each sample had left): each is judged by its own.
+    pair = [Episode(x, [1], response_ids=[1] * 6, action_mask=[1] * 6, score=0.0) for x in "ab"]
+    shape_rewards(pair, budget=[6, 20], buffer=4, factor=1.0)
+    assert [ep.reward for ep in pair] == [-1.0, 0.0]
 
 
 STEP_0_8 = """
@@ -223,3 +235,28 @@ def test_an_agent_instance_with_an_async_init_is_awaited(tmp_path):
     assert bytes(ep.response_ids).decode() == "ok [again] ok" and ep.token_versions == [3] * len(ep.response_ids)
     assert (ep.score, ep.raw_reward) == (1.0, 0.5), "the last step's scores; the rewards summed"
     assert extra_log_means([[ep]]) == {"rollout/extra/turn": 2.0}
+    assert ep.logprobs == [-1.0, -1.0] + [0.0] * len(" [again] ") + [-1.0, -1.0], "vLLM's log-probs, as it gave them"
+
+
+def test_an_executor_without_rollout_log_probs_gets_vllms_or_an_error_never_zeros():
+    """The behaviour log-probs drive TIS and ICEPOP: an executor that returns none gets the engine's record of its
+    turns when its tokens are the ones vLLM generated, and an error otherwise (a 0.0 would weigh each token by its
+    own probability)."""
+    class Executor:
+        def __init__(self, rewrite):
+            self.rewrite = rewrite
+
+        async def execute(self, prompt, label, sampling_params, max_length, tokenizer, engine):
+            out = await engine.generate(list(b"Q:"), sampling_params)
+            action = list(b"OK") if self.rewrite else list(out.outputs[0].token_ids)
+            return {"observation_tokens": list(b"Q:") + action, "action_ranges": [(2, 4)], "reward": 1.0}
+
+    def episode(rewrite):
+        return asyncio.run(run_executor_episode(_say_ok, SimpleNamespace(executor=Executor(rewrite)), ByteTokenizer(),
+                                                list(b"Q:"), "7", SimpleNamespace(logprobs=None), 64, "g0-0"))
+
+    kept = episode(rewrite=False)
+    assert kept.error is None and kept.logprobs == [-1.0, -1.0] and kept.action_mask == [1, 1]
+    rewritten = episode(rewrite=True)
+    assert rewritten.error[0] == "error" and rewritten.error[1].startswith("MissingLogprobs: the executor returned no "
+                                                                           "rollout_log_probs for 4 tokens")

@@ -1,51 +1,110 @@
-"""ZeRO-3 on 2 gloo ranks computes the same gradient as plain PyTorch in one process."""
+"""The policy's ranks: ZeRO-3 on 2 gloo ranks takes the same step as one process would, checkpoints restore it
+exactly, and PPO's mini-batch updates clip against the proximal policy."""
 
 import os
 
 import ray
 import torch
 
-from openrlhf_async.trainer.losses import policy_loss, token_logprobs
+# The distributed step's settings: token-level TIS against the rollout's log-probs, a k3 KL loss against the
+# reference model, no gradient clipping. Adam with betas 0 and an epsilon of 1 moves each weight by
+# lr * g / (|g| + 1): a step whose every coordinate tells its gradient, where the usual Adam's first step is
+# lr * sign(g) and would hide a wrong scale. The rest is the tests' preset.
+EXACT_STEP = ("--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+              "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
+              "--algo.advantage.is_correction_threshold", "0", "2", "--actor.eps_clip_low_high", "0.2", "0.28",
+              "--actor.adam.betas", "0", "0", "--actor.adam.eps", "1", "--actor.adam.lr", "1",
+              "--actor.adam.weight_decay", "0", "--actor.max_norm", "0", "--actor.lr_scheduler", "constant")
+KL_COEF, TIS_HIGH = 0.05, 2.0
 
 
-def _reference_grad_norm(model_path, samples):
+def _uneven_samples() -> list:
+    """Rank 0 gets the even samples: long responses of two model turns around 7 observation tokens (masked out of
+    the loss); rank 1 the odd ones: 2-token answers. Per-rank token counts 3 x 13 against 3 x 2, so a rank that
+    normalised by its own count would scale its gradient by 45 / 39 and 45 / 6. Rollout log-probs spread over
+    [-6, -1] so TIS weights vary and some clip at 2; advantages of both signs."""
+    g = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(6):
+        prompt = [3] + [20 + (i + k) % 10 for k in range(2 + i)] + [4]
+        if i % 2 == 0:
+            mask = [1] * 4 + [0] * 7 + [1] * 9
+        else:
+            mask = [1, 1]
+        response = [20 + int(x) for x in torch.randint(0, 10, (len(mask),), generator=g)]
+        logprobs = [(-1.0 - 5.0 * float(x)) * m for x, m in zip(torch.rand(len(mask), generator=g), mask)]
+        samples.append({"prompt_ids": prompt, "response_ids": response, "logprobs": logprobs, "action_mask": mask,
+                        "advantage": (1.5, -0.5, -1.0, 2.0, 0.25, -0.75)[i]})
+    return samples
+
+
+def _reference_gradients(weights: str, reference: str, samples: list) -> dict:
+    """The whole batch's gradient in one process, written out from the definitions (OpenRLHF 0.11.2's
+    PolicyLoss and compute_approx_kl, token-mean over the batch's model tokens), one sample at a time, unpadded."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    global_tokens = sum(len(s["response_ids"]) for s in samples)
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    tokens = sum(sum(s["action_mask"]) for s in samples)
     total = 0.0
     for s in samples:
         ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
-        logp = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
-        mask = torch.zeros_like(logp)
-        mask[0, p - 1 : p + r - 1] = 1
-        old = torch.zeros_like(logp)
-        old[0, p - 1 : p + r - 1] = torch.tensor(s["logprobs"])
-        out = policy_loss(logp, logp.detach(), old, mask * s["advantage"], mask, (0.2, 0.28))
-        total = total + (out["token_loss"] * mask).sum() / global_tokens
+        p = len(s["prompt_ids"])
+        targets = ids[0, p:]
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, p - 1 : -1].float(), -1)[range(len(targets)), targets]
+        with torch.no_grad():
+            ref = torch.log_softmax(ref_model(input_ids=ids).logits[0, p - 1 : -1].float(), -1)
+            ref = ref[range(len(targets)), targets]
+        mask = torch.tensor(s["action_mask"], dtype=torch.float32)
+        ratio = torch.exp(logp - logp.detach())  # one update: the proximal policy is the current one
+        tis = torch.exp(logp.detach() - torch.tensor(s["logprobs"])).clamp(0, TIS_HIGH)
+        a = s["advantage"]
+        pg = -tis * torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+        kl = (torch.exp(ref - logp) - 1 + (logp - ref)).clamp(-10, 10)
+        total = total + ((pg + KL_COEF * kl) * mask).sum() / tokens
     total.backward()
-    return torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
+    return {name: param.grad.detach().clone() for name, param in model.named_parameters()}
 
 
-def test_zero3_gradients_match_a_single_process_reference(ray_cluster, stack_cfg, tiny_model_path, tmp_path):
-    # DeepSpeed 0.19.6 waits on only the last of several asynchronous collectives; on gloo that gave a gradient
-    # norm of 1e18 on a fresh group's first step, and a different one on every run. The policy makes collectives
-    # synchronous on CPU. A fresh group, because the shared one has been through steps that hide the race.
+def _weights(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_a_zero3_step_on_uneven_masked_data_with_tis_and_kl_moves_every_weight_as_one_process_would(
+        ray_cluster, tiny_model_path, tmp_path):
+    """Two steps on 2 ZeRO-3 ranks with uneven token counts, observation tokens, TIS and the KL loss, micro batches
+    of 2 (uneven on each rank) accumulated: the weights after each step against the single-process gradient,
+    every coordinate. The second step starts away from the reference model, so the KL term has a gradient too.
+    DeepSpeed 0.19.6 on gloo once gave 1e18 gradients on a fresh group (the policy makes collectives synchronous on
+    CPU): a fresh group for that reason too."""
+    from conftest import preset_config
     from openrlhf_async.trainer.policy import PolicyGroup, loss_settings
 
-    assert stack_cfg.ds.zero_stage == 3 and stack_cfg.actor.world_size == 2
-    policy = PolicyGroup(stack_cfg, tiny_model_path)
-    samples = [{"prompt_ids": [3, 20 + i, 21, 4], "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3,
-                "advantage": 1.0 - 2 * (i % 2)} for i in range(6)]
+    cfg = preset_config(*EXACT_STEP)
+    assert cfg.ds.zero_stage == 3 and cfg.actor.world_size == 2
+    policy = PolicyGroup(cfg, tiny_model_path)
+    samples = _uneven_samples()
     try:
-        weights = tiny_model_path
-        for micro_batch_size in (64, 2, 1):  # one micro batch, then accumulation over several
-            expected = _reference_grad_norm(weights, samples)
-            stats = policy.train_step(samples, micro_batch_size, loss_settings(stack_cfg, correction={"level": "off"}))
-            assert abs(stats["grad_norm"] - expected) <= 1e-4 * expected, (micro_batch_size, stats, expected)
-            weights = str(tmp_path / f"after-{micro_batch_size}")
-            ray.get(policy.call("save_hf", weights))
+        before = tiny_model_path
+        ray.get(policy.call("save_hf", str(tmp_path / "w0")))
+        start = _weights(str(tmp_path / "w0"))
+        for step in (1, 2):
+            expected_grads = _reference_gradients(before, tiny_model_path, samples)
+            stats = policy.train_step(samples, 2, loss_settings(cfg))
+            assert stats["lr"] == 1.0 and stats["is_filter_ratio"] > 0, "the TIS weights must clip somewhere"
+            if step == 2:
+                assert stats["kl"] > 0
+            after = str(tmp_path / f"w{step}")
+            ray.get(policy.call("save_hf", after))
+            end = _weights(after)
+            moved = torch.cat([(end[n] - start[n]).flatten() for n in expected_grads])
+            g = torch.cat([expected_grads[n].flatten() for n in expected_grads])
+            expected = -g / (g.abs() + 1.0)
+            error = ((moved - expected).norm() / expected.norm()).item()
+            assert error < 1e-3, f"step {step}: the weights moved {error:.2%} away from the one-process step"
+            before, start = after, end
     finally:
         for actor in policy.actors:
             ray.kill(actor)

@@ -165,7 +165,8 @@ def test_the_reward_summed_over_turns_is_checked_too():
 def test_an_executor_episode_reward_is_checked():
     class Executor:
         async def execute(self, prompt, label, sampling_params, max_length, tokenizer, engine):
-            return {"observation_tokens": [1, 2, 3, 4], "action_ranges": [(2, 4)], "reward": label}
+            return {"observation_tokens": [1, 2, 3, 4], "action_ranges": [(2, 4)], "reward": label,
+                    "rollout_log_probs": [0.0, 0.0, -0.5, -0.5]}
 
     def episode(reward):
         return asyncio.run(run_executor_episode(None, SimpleNamespace(executor=Executor()), ByteTokenizer(), [1, 2],

@@ -4,9 +4,10 @@
 # Data: python -m openrlhf_async.cli.prepare_data --dataset dapo-math-17k --input <DAPO-Math-17k> --output $DATA_DIR
 #       python -m openrlhf_async.cli.prepare_data --dataset aime24 --input <AIME-2024> --output $DATA_DIR
 # DAPO's settings: 16 samples per prompt, clip 0.2 / 0.28, token-level loss, dynamic sampling, overlong buffer 4096
-# within a 20480-token response budget (penalty 1.0), lr 1e-6 (constant). One optimizer step per batch of 32 kept
-# prompts (--train.batch_size 512 = 32 x 16 samples); DAPO itself makes 16 clipped updates on mini batches of 32
-# prompts from each 512-prompt batch: --rollout.batch_size 512 --train.batch_size 512 reproduces that.
+# within a 20480-token response budget (penalty 1.0), lr 1e-6 (constant), and DAPO's shape of a step: a rollout
+# batch of 512 kept prompts (8192 samples) trained in 16 mini batches of 512 samples, 16 optimizer steps each
+# clipped at 0.2 / 0.28 against the policy before the first (--actor.proximal_policy recompute), the ratio weighted
+# by token-level TIS against vLLM's log-probs (clip 0..2), which also bounds the one batch of staleness of async.
 # Every setting is an OpenRLHF 0.11.2 flag or one of this project's.
 # Usage: bash examples/scripts/train_dapo_qwen3_8b_async.sh [--dry_run] [more flags]
 set -euo pipefail
@@ -20,7 +21,7 @@ submit \
   --data.prompt_dataset "$DATA_DIR/dapo-math-17k.jsonl" --eval.dataset "$DATA_DIR/aime24.jsonl" \
   --data.input_key prompt --data.label_key label --data.apply_chat_template \
   --data.max_len 22528 --rollout.max_new_tokens 20480 \
-  --rollout.batch_size 32 --rollout.n_samples_per_prompt 16 --rollout.temperature 1.0 --train.batch_size 512 \
+  --rollout.batch_size 512 --rollout.n_samples_per_prompt 16 --rollout.temperature 1.0 --train.batch_size 512 \
   --rollout.vllm_generate_batch_size 64 --vllm.enable_prefix_caching \
   --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable --algo.kl.init_coef 0 \
   --algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip \

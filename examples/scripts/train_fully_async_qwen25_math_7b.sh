@@ -4,6 +4,10 @@
 # each optimizer step takes 4 batches, weights sync every 4 steps, and episodes in flight at a sync continue on
 # the new weights (partial rollout). Running groups carry over between batches rather than being aborted, so
 # twice the expected need is kept in flight (admission margin 1) to keep the engines' batches full.
+# The loss: one optimizer step per 4 batches (--train.batch_size 2048 = 4 x 32 x 16), so the PPO clip (0.2 / 0.28)
+# is idle and the samples' staleness is bounded by token-level TIS against vLLM's log-probs (clip 0..2); a smaller
+# --train.batch_size makes several clipped updates per step, --actor.proximal_policy rollout clips against the
+# sampler itself.
 # Resources: 16 GPUs (2 nodes x 8): 8 vLLM engines (tensor parallel 1) + 8 DeepSpeed ZeRO-3 trainer ranks.
 # Data: as in train_dapo_qwen3_8b_async.sh.
 # Usage: bash examples/scripts/train_fully_async_qwen25_math_7b.sh [--dry_run] [more flags]

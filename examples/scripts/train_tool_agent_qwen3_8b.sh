@@ -2,6 +2,8 @@
 # Multi-turn tool agent: the model may run Python (sandboxed: no network, bounded time and memory) before it
 # answers; agents/python_tool_multi_turn.py runs each code block and returns its output as the next observation,
 # then scores the final boxed answer. Observation tokens are masked out of the loss.
+# The loss: one optimizer step per batch of 32 prompts x 8 samples (so the PPO clip is idle: add a smaller
+# --train.batch_size for several clipped updates), token-level TIS against vLLM's log-probs on the model's tokens.
 # Resources: 8 GPUs (1 node): 4 vLLM engines (tensor parallel 1) + 4 DeepSpeed ZeRO-3 trainer ranks.
 # Data: prepare_data --dataset dapo-math-17k --instruction "Use Python when it helps (write a \`\`\`python block);
 #       put your final answer within \\boxed{}." (see the README), and aime24 likewise.

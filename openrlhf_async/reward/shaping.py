@@ -11,15 +11,17 @@ def overlong_penalty(length: int, budget: int, buffer: int, factor: float) -> fl
     return -factor * min(1.0, (length - (budget - buffer)) / buffer)
 
 
-def shape_rewards(group: list, budget: int, buffer: int, factor: float) -> None:
-    """Set each episode's reward: its raw reward (its score when it has none) plus overlong shaping. Whatever scored
-    it, a score or reward that is no valid reward makes both 0 and a reward error first, so that neither the filter
-    nor the trainer gets it."""
-    for ep in group:
+def shape_rewards(group: list, budget, buffer: int, factor: float) -> None:
+    """Set each episode's reward: its raw reward (its score when it has none) plus overlong shaping of the tokens the
+    model wrote (an environment's observations are not the model's length) against the episode's own budget
+    (budget: one for the group, or one per episode). Whatever scored it, a score or reward that is no valid reward
+    makes both 0 and a reward error first, so that neither the filter nor the trainer gets it."""
+    budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * len(group)
+    for ep, ep_budget in zip(group, budgets):
         try:
             score = check_reward(ep.score, "the episode's score")
             raw = score if ep.raw_reward is None else check_reward(ep.raw_reward, "the episode's reward")
         except RewardError as e:
             score, raw, ep.error = 0.0, 0.0, ep.error or ("reward_error", f"{type(e).__name__}: {e}")
         ep.score, ep.raw_reward = score, raw
-        ep.reward = raw + overlong_penalty(len(ep.response_ids), budget, buffer, factor)
+        ep.reward = raw + overlong_penalty(sum(ep.action_mask), ep_budget, buffer, factor)

@@ -203,8 +203,7 @@ class RolloutController:
             else:  # an engine failed: stop, after cleaning up
                 batch.fail(e)
             return
-        budget = record.budget
-        shape_rewards(group, max(budget) if isinstance(budget, (list, tuple)) else budget, *self.overlong)
+        shape_rewards(group, record.budget, *self.overlong)
         flat = batch.group_finished(record, group)
         if self.on_group is not None:
             self.on_group(record.prompt, flat)

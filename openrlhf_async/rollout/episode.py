@@ -140,6 +140,32 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
     return ep
 
 
+@dataclass
+class GeneratedTurn:
+    """What vLLM gave an executor in one call: the behaviour policy's record of the turn."""
+    finish_reason: Optional[str]
+    versions: list
+    token_ids: list
+    logprobs: list
+
+
+def behaviour_logprobs(tokens: list, ranges: list, calls: list, start: int, given) -> list:
+    """The rollout log-prob of every response token (observations 0.0): the executor's own (`rollout_log_probs`) when
+    it returned one per token, else the engine's record of each turn, which holds exactly when the executor kept the
+    tokens vLLM generated. Raises ValueError when neither can be had: a 0.0 in their place would give TIS and ICEPOP
+    the wrong weights without a word."""
+    if given is not None and len(given) == len(tokens):
+        return [float(x) for x in given[start:]]
+    logprobs = [0.0] * (len(tokens) - start)
+    for (a, b), call in zip(ranges, calls):
+        if tokens[a:b] != call.token_ids[: b - a] or len(call.logprobs) < b - a:
+            raise ValueError(f"the executor returned {'no' if given is None else len(given)} rollout_log_probs for "
+                             f"{len(tokens)} tokens, and its action {a}:{b} is not the tokens vLLM generated; return "
+                             "rollout_log_probs as OpenRLHF's MultiTurnAgentExecutor does")
+        logprobs[a - start : b - start] = call.logprobs[: b - a]
+    return logprobs
+
+
 class EngineAdapter:
     """What an OpenRLHF AgentExecutor calls `llm_engine`: generate(prompt_token_ids, sampling_params) returning
     vLLM's RequestOutput, routed through the engine actor's request path (semaphore, load, abort)."""
@@ -151,8 +177,10 @@ class EngineAdapter:
         sampling_params.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
         output, versions = await self._request(list(prompt_token_ids), sampling_params,
                                                f"{self._request_id}-t{len(self.calls)}")
-        self.calls.append((output.outputs[0].finish_reason, versions))
-        if output.outputs[0].finish_reason == "abort":
+        completion = output.outputs[0]
+        logprobs = [entry[tok].logprob for tok, entry in zip(completion.token_ids, completion.logprobs or [])]
+        self.calls.append(GeneratedTurn(completion.finish_reason, versions, list(completion.token_ids), logprobs))
+        if completion.finish_reason == "abort":
             raise EpisodeAborted(self._request_id)
         return output
 
@@ -173,12 +201,16 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
         return ep
     tokens, ranges = list(out["observation_tokens"]), [tuple(r) for r in out["action_ranges"]]
     start = ranges[0][0] if ranges else len(tokens)
-    logprobs = out.get("rollout_log_probs") or [0.0] * len(tokens)
+    try:
+        logprobs = behaviour_logprobs(tokens, ranges, engine.calls, start, out.get("rollout_log_probs"))
+    except ValueError as e:
+        ep.error, ep.turns = ("error", f"MissingLogprobs: {e}"), len(engine.calls)
+        return ep
     mask = [0] * (len(tokens) - start)
     versions = [0] * (len(tokens) - start)
-    for (a, b), (_, call_versions) in zip(ranges, engine.calls):
+    for (a, b), call in zip(ranges, engine.calls):
         mask[a - start : b - start] = [1] * (b - a)
-        versions[a - start : b - start] = (call_versions + call_versions[-1:] * (b - a))[: b - a]
+        versions[a - start : b - start] = (call.versions + call.versions[-1:] * (b - a))[: b - a]
     for i in range(1, len(versions)):  # observation tokens take the version of the action before them
         if not mask[i]:
             versions[i] = versions[i - 1]
@@ -188,7 +220,8 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
         score = reward if score is None else check_reward(score, "the executor's score")
     except RewardError as e:
         reward, score, error = 0.0, 0.0, ("reward_error", f"{type(e).__name__}: {e}")
-    return Episode(request_id, tokens[:start], response_ids=tokens[start:], logprobs=list(logprobs[start:]),
+    return Episode(request_id, tokens[:start], response_ids=tokens[start:], logprobs=logprobs,
                    action_mask=mask, token_versions=versions, turns=len(engine.calls),
-                   finish_reason="length" if out.get("truncated") else (engine.calls[-1][0] if engine.calls else None),
+                   finish_reason="length" if out.get("truncated") else (
+                       engine.calls[-1].finish_reason if engine.calls else None),
                    score=score, raw_reward=reward, error=error, extra_info=dict(out.get("extra_logs") or {}))
