@@ -64,3 +64,16 @@ def test_buckets_respect_size_and_dtype():
     buckets = plan_buckets(shapes, bucket_bytes=80)
     assert [[n for n, _, _ in b] for b in buckets] == [["a"], ["b"], ["c"], ["d"]]
     assert [[n for n, _, _ in b] for b in plan_buckets(shapes, 1 << 20)] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_version_marks_give_each_token_the_version_it_was_made_with():
+    from openrlhf_async.rollout.engine import VersionMarks
+
+    marks = VersionMarks(3)
+    assert marks.versions(4) == [3] * 4, "no sync while it ran"
+    marks.add(2, 4)
+    marks.add(5, 5)
+    assert marks.versions(7) == [3, 3, 4, 4, 4, 5, 5], "two syncs, after its 2nd and its 5th token"
+    queued = VersionMarks(3)
+    queued.add(0, 4)  # still queued (or frozen before its first token) at the sync: every token is new
+    assert queued.versions(2) == [4, 4]

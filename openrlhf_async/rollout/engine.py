@@ -7,9 +7,27 @@ episodes and their scoring live in group_runner.py; `generate_group` hands them 
 import asyncio
 import os
 
+from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
 from openrlhf_async.rollout.group_runner import GroupRunner
 from openrlhf_async.utils.ray_utils import get_all
+
+
+class VersionMarks:
+    """The weight versions of one request's tokens, as the sync events it lived through: token `start` onward
+    carries `version`, for each (start, version) in order."""
+
+    def __init__(self, version: int):
+        self.marks, self.registered = [(0, version)], False  # registered: vLLM holds the request
+
+    def add(self, start: int, version: int) -> None:
+        self.marks.append((start, version))
+
+    def versions(self, num_tokens: int) -> list:
+        out = []
+        for (start, version), (end, _) in zip(self.marks, self.marks[1:] + [(num_tokens, None)]):
+            out += [version] * (min(end, num_tokens) - len(out))
+        return out
 
 
 class LLMRayActorAsync:
@@ -47,6 +65,7 @@ class LLMRayActorAsync:
         self.groups: dict = {}  # group id -> request ids in flight
         self.aborted_groups: set = set()
         self.weight_version = 0
+        self.version_marks: dict = {}  # request id -> VersionMarks, while it runs
         self.runner = GroupRunner(agent, reward)
 
     def ready(self) -> bool:
@@ -61,51 +80,76 @@ class LLMRayActorAsync:
 
     async def request(self, prompt_ids: list, params, request_id: str, group_id: str = ""):
         """One vLLM request under the semaphore: (final RequestOutput, the weight version of each token).
-        A token's version is the one loaded when its output arrived: weights change only while generation is
-        paused, and pausing delivers the outputs already computed first.
-        Raises EpisodeAborted if its group was aborted before the request reached vLLM."""
+        vLLM hands back the final output alone (no per-token Python on the way); the versions come from the sync
+        events the request lived through (receive_weights marks where each began). Raises EpisodeAborted if its
+        group was aborted before the request reached vLLM."""
+        from vllm.sampling_params import RequestOutputKind
+
         from openrlhf_async.rollout.episode import EpisodeAborted
 
+        params.output_kind = RequestOutputKind.FINAL_ONLY
         async with self.semaphore:
             if group_id in self.aborted_groups:
                 raise EpisodeAborted(request_id)
             self.in_flight[request_id] = group_id
             self.timeline.begin("generate")
             self.groups.setdefault(group_id, set()).add(request_id)
-            versions = []
+            marks = self.version_marks[request_id] = VersionMarks(self.weight_version)
+            queue = None
             try:
+                queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                marks.registered = True
                 final = None
-                async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
-                    final = out
-                    versions += [self.weight_version] * (len(out.outputs[0].token_ids) - len(versions))
+                while final is None or not final.finished:
+                    final = queue.get_nowait() or await queue.get()
+            except (asyncio.CancelledError, GeneratorExit):
+                if queue is not None:
+                    await self.engine.abort(request_id)
+                raise
             finally:
                 self.in_flight.pop(request_id, None)
+                self.version_marks.pop(request_id, None)
                 if not self.in_flight:
                     self.timeline.end("generate")
                 self.groups.get(group_id, set()).discard(request_id)
-        return final, versions
+        return final, marks.versions(len(final.outputs[0].token_ids))
+
+    def _mark_versions(self, version: int) -> None:
+        """At a sync, with generation paused: the tokens each running request makes from here on carry `version`.
+        What vLLM has produced for it so far is read from its output processor (all of it was delivered before the
+        pause returned); a request vLLM no longer holds has finished on the old weights, and one not yet handed to
+        vLLM makes all its tokens with the new ones."""
+        processor = self.engine.output_processor
+        for request_id, marks in self.version_marks.items():
+            states = [processor.request_states.get(i) for i in processor.external_req_ids.get(request_id, ())]
+            states = [s for s in states if s is not None]
+            if states:
+                marks.add(sum(s.detokenizer.num_output_tokens() for s in states), version)
+            elif not marks.registered:
+                marks.add(0, version)
 
     async def generate(self, prompt_ids: list, sampling: dict, request_id: str, group_id: str = "") -> dict:
-        """One completion: token ids, per-token logprobs of the sampled tokens and weight versions, finish reason."""
+        """One completion: token ids, per-token logprobs of the sampled tokens and weight versions, finish reason.
+        Log-probs come flat (one float list, no object per token) and the text is not detokenised: the episode
+        decodes what the agent reads itself (stop strings, which need the text, turn detokenising back on)."""
         from vllm import SamplingParams
 
         from openrlhf_async.rollout.episode import EpisodeAborted
 
+        params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=bool(sampling.get("stop")), **sampling)
         try:
-            final, versions = await self.request(prompt_ids, SamplingParams(logprobs=0, **sampling), request_id,
-                                                 group_id)
+            final, versions = await self.request(prompt_ids, params, request_id, group_id)
         except EpisodeAborted:
             return {"request_id": request_id, "prompt_ids": list(prompt_ids), "response_ids": [], "logprobs": [],
                     "token_versions": [], "finish_reason": "abort"}
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
-        logprobs = [entry[tok].logprob for tok, entry in zip(token_ids, completion.logprobs or [])]
         return {
             "request_id": request_id,
             "prompt_ids": list(prompt_ids),
             "response_ids": token_ids,
-            "logprobs": logprobs,
-            "token_versions": versions[: len(token_ids)],
+            "logprobs": sampled_logprobs(completion),
+            "token_versions": versions,
             "finish_reason": completion.finish_reason,
         }
 
@@ -161,6 +205,7 @@ class LLMRayActorAsync:
             try:
                 await self.engine.collective_rpc("receive_weights", args=(buckets,))
                 await self.engine.reset_prefix_cache(reset_running_requests=True)
+                self._mark_versions(version)
                 self.weight_version = version
             finally:
                 await self.engine.resume_generation()

@@ -140,6 +140,18 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
     return ep
 
 
+def sampled_logprobs(completion) -> list:
+    """The log-prob of each sampled token: vLLM's flat arrays as they are when they hold one entry per token
+    (logprobs=0, flat_logprobs), else read token by token."""
+    logprobs = completion.logprobs
+    if logprobs is None:
+        return []
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and len(flat) == len(completion.token_ids):
+        return list(flat)
+    return [entry[tok].logprob for tok, entry in zip(completion.token_ids, logprobs)]
+
+
 @dataclass
 class GeneratedTurn:
     """What vLLM gave an executor in one call: the behaviour policy's record of the turn."""
@@ -178,7 +190,7 @@ class EngineAdapter:
         output, versions = await self._request(list(prompt_token_ids), sampling_params,
                                                f"{self._request_id}-t{len(self.calls)}")
         completion = output.outputs[0]
-        logprobs = [entry[tok].logprob for tok, entry in zip(completion.token_ids, completion.logprobs or [])]
+        logprobs = sampled_logprobs(completion)
         self.calls.append(GeneratedTurn(completion.finish_reason, versions, list(completion.token_ids), logprobs))
         if completion.finish_reason == "abort":
             raise EpisodeAborted(self._request_id)
