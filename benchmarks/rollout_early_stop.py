@@ -9,8 +9,8 @@ never start. Running groups are either aborted (`ours_abort_*`, the synchronous 
 over into the next batch (`ours_*`: partial rollout across batches, as --mode fully_async does; the groups still
 running after the last batch are aborted and their tokens counted as waste, a one-off cost that `*_tokens_steady`
 leaves out, as a long training run would). Since carried groups are not lost,
-ours keeps more groups in flight (--carry_over_margin, i.e. --rollout.admission_margin 1), which keeps the
-engines' batches full; ours_abort keeps --admission_margin (default 0, the trainer's default).
+ours keeps all of --vllm_generate_batch_size groups in flight, which keeps the engines' batches full; ours_abort
+starts what the valid rate says is needed, plus --admission_margin (default 0, the trainer's default).
 
 Workload (the same prompt stream for every method): per-request length budgets from a lognormal (median 48
 tokens, sigma 1.0, capped at 512) with EOS ignored, and per-prompt pass rates chosen so that about 40% of groups
@@ -82,6 +82,7 @@ def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_
     prompt_ids = [p["prompt_ids"] for p in tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, True)]
     prompts = workload(num_prompts, n, median, sigma, cap, flat_fraction, seed, prompt_ids)
     cfg = preset_config("tiny_cpu")
+    cfg.actor.model_name_or_path = model_path  # its 1024 positions, not the default tiny model's 256
     cfg.device, cfg.vllm.num_engines = "cpu", engines
     cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
     cfg.data.max_len = cap + max(len(p) for p in prompt_ids) + 8
@@ -104,8 +105,6 @@ def main(argv=None) -> int:
                         help="ours: groups in flight (0: 2 x target)")
     parser.add_argument("--admission_margin", type=float, default=0.0,
                         help="ours_abort: extra groups in flight beyond the expected need")
-    parser.add_argument("--carry_over_margin", type=float, default=1.0,
-                        help="ours (carry-over): the same; running groups are not lost, so more may start")
     parser.add_argument("--max_num_seqs", type=int, default=256, help="sequences each engine decodes at once")
     parser.add_argument("--batches", type=int, default=8, help="batches per method (figures are per batch)")
     parser.add_argument("--dataset_size", type=int, default=0,
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
     wave_dapo = 3 * args.target
     size = args.dataset_size
     skip = args.skip_flat if size else 0.0
-    carrying = {"early_stop": True, "admission_margin": args.carry_over_margin}
+    carrying = {"early_stop": True}
     methods = {  # name: --rollout.* settings, controller options (skip: --rollout.skip_flat_prompts)
         "baseline": dict(rollout=dict(early_stop=False, vllm_generate_batch_size=args.target)),
         "baseline_dapo3x": dict(rollout=dict(early_stop=False, vllm_generate_batch_size=wave_dapo), wave_size=wave_dapo),
@@ -238,7 +237,7 @@ def main(argv=None) -> int:
         out["prompts_skipped_ours"] = round(per_batch("ours", "prompts_skipped"), 1)
     out.update(target=args.target, n=args.n, engines=args.engines, batches=args.batches,
                max_num_seqs=args.max_num_seqs, admission_margin=args.admission_margin,
-               carry_over_margin=args.carry_over_margin, dataset_size=size,
+               dataset_size=size,
                flat_persistence=args.flat_persistence if size else None, skip_flat=skip,
                screen_samples=args.screen_samples)
     print(json.dumps(out))

@@ -199,8 +199,16 @@ class VLLMConfig:
                                             openrlhf="same")
     cpu_kvcache_space_gib: int = setting(1, "KV cache per engine on cpu, in GiB (VLLM_CPU_KVCACHE_SPACE)")
     max_num_seqs: int = setting(256, "sequences one vLLM engine batches at once", range=">= 1")
-    max_concurrency: int = setting(256, "requests in flight per engine (asyncio semaphore; env "
-                                        "OPENRLHF_ASYNC_NUM_TASKS overrides)", range=">= 1")
+    max_concurrency: Optional[int] = setting(
+        None, "agent episodes in flight per engine (the balancer's capacity and the engine's asyncio semaphore; "
+              "env OPENRLHF_ASYNC_NUM_TASKS overrides); none: 4 x --vllm.max_num_seqs, since a group holds its n "
+              "slots until its longest sample ends, when as few as 40% of them may still be generating (vLLM "
+              "queues what is beyond its batch)", type=int, range=">= 1")
+
+    def concurrency(self) -> int:
+        """Episodes in flight per engine: OPENRLHF_ASYNC_NUM_TASKS, --vllm.max_concurrency, or 4 x max_num_seqs."""
+        return env_int("OPENRLHF_ASYNC_NUM_TASKS", "--vllm.max_concurrency",
+                       self.max_concurrency or 4 * self.max_num_seqs)
 
 
 @dataclass
@@ -854,6 +862,9 @@ def _validate_mode(cfg: Config) -> None:
 
 def _validate_rollout(cfg: Config) -> None:
     r = cfg.rollout
+    if r.admission_margin and r.early_stop and cfg.mode == "fully_async":
+        notice(f"--rollout.admission_margin {r.admission_margin} has no effect in --mode fully_async: running groups "
+               "carry over into the next batch, so all --rollout.vllm_generate_batch_size groups stay in flight")
     screen, n = r.screen_samples, r.n_samples_per_prompt
     if screen and not 2 <= screen < n:
         raise ConfigError(f"--rollout.screen_samples {screen}: use 0 (off) or a number from 2 to "

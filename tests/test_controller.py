@@ -94,10 +94,10 @@ class DyingEngine(FakeEngine):
         return await super().abort_groups(group_ids)
 
 
-def _controller(engines, rollout=(), algo=(), agent=(), reward=(), **kwargs):
+def _controller(engines, rollout=(), algo=(), agent=(), reward=(), vllm=(), **kwargs):
     """Settings by config section; unless told: n 2, budget 8, 4 prompts in flight, any share of errors allowed."""
     rollout = {"n_samples_per_prompt": 2, "max_new_tokens": 8, "vllm_generate_batch_size": 4, **dict(rollout)}
-    cfg = config_with(preset_config(validated=False), rollout=rollout, algo=dict(algo), vllm={"max_concurrency": 64},
+    cfg = config_with(preset_config(validated=False), rollout=rollout, algo=dict(algo), vllm={"max_concurrency": 64, **dict(vllm)},
                       agent={"max_error_ratio": 1.0, **dict(agent)}, reward={"max_error_ratio": 1.0, **dict(reward)})
     return RolloutController(cfg, [LocalHandle(e) for e in engines], sampling={}, **kwargs)
 
@@ -342,7 +342,7 @@ def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
     # Batch 1 fills with two quick groups while two slow ones run; they must finish into batch 2, not be aborted.
     # (Unbiased, so batch 2 is a prefix of the start order; the biased rule would prefer quicker new groups.)
     labels = ([{"delay": 0.01, "scores": VALID}] * 2 + [{"delay": 0.2, "scores": VALID, "tokens": 40}] * 2
-              + [{"delay": 0.01, "scores": VALID}] * 20)
+              + [{"delay": 0.01, "scores": VALID}] * 400)  # carry over keeps 8 in flight all along
 
     async def two_batches():  # one event loop, so the fake engine's tasks outlive the first batch
         source = _source(labels)
@@ -369,7 +369,7 @@ def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted
     dying.known_dead = lambda: 1 in c.dead_engines
     # Batch 1: two quick groups, while one slow group runs on each engine and is carried over.
     labels = ([{"delay": 0.01, "scores": VALID}] * 2 + [{"delay": 0.3, "scores": VALID, "tokens": 40}] * 2
-              + [{"delay": 0.01, "scores": VALID}] * 20)
+              + [{"delay": 0.01, "scores": VALID}] * 400)  # carry over keeps 8 in flight all along
 
     async def two_batches():
         source = _source(labels)
@@ -439,3 +439,22 @@ def test_the_generator_skips_flat_prompts_and_records_what_it_passed_over():
     again = PromptSampler(prompts, cfg.train.seed, skip_flat=0.9, **progress.state())
     drawn = [again.next()["id"] for _ in range(20)]
     assert sum(row % 2 for row in drawn) < 5 and {row for _, row in again.take_skipped()} <= {1, 3, 5, 7}
+
+
+def test_carry_over_keeps_every_allowed_group_in_flight_and_the_balancer_counts_episodes_per_engine(monkeypatch):
+    # Without carry over the stop rule starts only what the batch needs (2 groups for 2 valid); with it, running
+    # groups are never lost, so the controller fills --rollout.vllm_generate_batch_size to keep vLLM's batch full.
+    labels = [{"delay": 0.05, "scores": VALID}] * 40
+    _, alone = _controller([FakeEngine()], rollout=dict(vllm_generate_batch_size=8), algo=NO_FILTER).run(
+        _source(labels), 2)
+    filled = _controller([FakeEngine()], rollout=dict(vllm_generate_batch_size=8), algo=NO_FILTER, carry_over=True)
+    _, full = filled.run(_source(labels), 2)
+    filled.close()
+    assert alone["rollout/groups_started"] == 2 and full["rollout/groups_started"] == 8
+    # The engine's capacity: 4 x --vllm.max_num_seqs by default, the flag, or OPENRLHF_ASYNC_NUM_TASKS over both.
+    vllm = preset_config(validated=False).vllm
+    assert config_with(preset_config(validated=False), vllm={"max_num_seqs": 16}).vllm.concurrency() == 64
+    assert config_with(preset_config(validated=False), vllm={"max_concurrency": 24}).vllm.concurrency() == 24
+    monkeypatch.setenv("OPENRLHF_ASYNC_NUM_TASKS", "12")
+    assert vllm.concurrency() == 12
+    assert _controller([FakeEngine()], vllm={"max_concurrency": 100}).balancer.capacity == 12

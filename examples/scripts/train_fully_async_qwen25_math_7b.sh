@@ -2,8 +2,9 @@
 # Fully asynchronous DAPO on Qwen2.5-Math-7B (4096-token context) with DAPO-Math-17k, evaluated on AIME 2024.
 # Groups stream from the engines; the generator may run half a sync window ahead (staleness threshold 0.5);
 # each optimizer step takes 4 batches, weights sync every 4 steps, and episodes in flight at a sync continue on
-# the new weights (partial rollout). Running groups carry over between batches rather than being aborted, so
-# twice the expected need is kept in flight (admission margin 1) to keep the engines' batches full.
+# the new weights (partial rollout). Running groups carry over between batches rather than being aborted, so all
+# 64 groups (--rollout.vllm_generate_batch_size) stay in flight; more keeps 8 engines' batches fuller (each takes
+# 4 x --vllm.max_num_seqs episodes), at the price of older carried groups.
 # The loss: one optimizer step per 4 batches (--train.batch_size 2048 = 4 x 32 x 16), so the PPO clip (0.2 / 0.28)
 # is idle and the samples' staleness is bounded by token-level TIS against vLLM's log-probs (clip 0..2); a smaller
 # --train.batch_size makes several clipped updates per step, --actor.proximal_policy rollout clips against the
@@ -17,7 +18,6 @@ submit \
   --run_name fully_async_qwen25_math_7b --runs_dir "$RUNS_DIR" --device cuda \
   --train.async_enable --train.partial_rollout_enable --ckpt.output_dir "{run_dir}/final_hf" --ckpt.path "{run_dir}/ckpt" \
   --train.staleness_threshold 0.5 --train.trigger_parameter_sync_step 4 --train.require_batches 4 \
-  --rollout.admission_margin 1 \
   --actor.model_name_or_path "${MODEL:-Qwen/Qwen2.5-Math-7B}" \
   --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.85 \
   --actor.num_nodes 1 --actor.num_gpus_per_node 8 --ds.zero_stage 3 --ds.param_dtype bf16 \

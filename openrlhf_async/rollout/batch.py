@@ -154,9 +154,10 @@ class RolloutBatch:
         return {task: r for task, r in self.pending.items() if r.index > cut}
 
     def carry_out(self, chosen: list) -> list:
-        """The groups the next batch takes over: valid ones left out of this one, running ones, rerouted ones."""
+        """The groups the next batch takes over, in their start order (its prefix is what unbiased early stop
+        takes): valid ones left out of this one, running ones, rerouted ones."""
         surplus = [r for r in self.finished if r.valid and r not in chosen]
-        carried = surplus + list(self.pending.values()) + self.reroute
+        carried = sorted(surplus + list(self.pending.values()) + self.reroute, key=lambda r: r.index)
         self.pending.clear()
         return carried
 

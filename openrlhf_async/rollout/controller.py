@@ -100,7 +100,7 @@ class RolloutController:
         self.overlong = (cfg.reward.overlong_buffer_len or 0, cfg.reward.overlong_penalty_factor)
         self.error_ratios = {"agent": cfg.agent.max_error_ratio, "reward": cfg.reward.max_error_ratio}
         self.on_group, self.abort_timeout = on_group, abort_timeout
-        self.balancer = LoadBalancer(len(engines), cfg.vllm.max_concurrency)
+        self.balancer = LoadBalancer(len(engines), cfg.vllm.concurrency())
         self._last_engine_error = None
 
     @property
@@ -164,7 +164,10 @@ class RolloutController:
             if engine is None:
                 return
             self._start(batch, batch.reroute.pop(0), engine)
-        while len(batch.pending) < min(self.max_concurrent_prompts, batch.wanted()):
+        # Groups carried over are never lost, so with carry over the engines are kept full (bounded by the groups in
+        # flight); otherwise the stop rule says how many more are worth their aborted tokens.
+        limit = self.max_concurrent_prompts if self.carry_over else min(self.max_concurrent_prompts, batch.wanted())
+        while len(batch.pending) < limit:
             engine = self.balancer.acquire(self.n)
             if engine is None:
                 return

@@ -59,8 +59,7 @@ class LLMRayActorAsync:
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
-        # OPENRLHF_ASYNC_NUM_TASKS, as in OpenRLHF, overrides the number of requests in flight per engine.
-        self.semaphore = asyncio.Semaphore(int(os.environ.get("OPENRLHF_ASYNC_NUM_TASKS", vllm.max_concurrency)))
+        self.semaphore = asyncio.Semaphore(vllm.concurrency())
         self.in_flight: dict = {}  # request id -> group id
         self.groups: dict = {}  # group id -> request ids in flight
         self.aborted_groups: set = set()
