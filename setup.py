@@ -12,6 +12,7 @@ COMMON = [
     "transformers==5.15.0",
     "accelerate==1.13.0",
     "datasets==5.2.0",  # the data loader
+    "gguf==0.19.0",  # models published as GGUF files (models/gguf.py), read by transformers
     "math-verify==0.9.0",
     "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers
     "wandb==0.31.0",

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+from openrlhf_async.models.gguf import is_gguf
+
 
 class ConfigError(ValueError):
     """A bad flag, file or field; the message is one line naming it and the fix."""
@@ -951,9 +953,10 @@ def _validate_algo(cfg: Config) -> None:
 def _validate_model(cfg: Config) -> None:
     # Whether the GPUs exist is checked against the Ray cluster at start (a job's driver may run on a CPU-only head).
     model = cfg.actor.model_name_or_path
-    if model and not os.path.isdir(model) and not is_hub_id(model):
-        raise ConfigError(f"--actor.model_name_or_path {model}: no such model folder (give a local HF model folder, "
-                          "a Hugging Face id such as Qwen/Qwen3-8B-Base, or nothing for the embedded tiny model)")
+    if model and not os.path.isdir(model) and not is_hub_id(model) and not (is_gguf(model) and os.path.isfile(model)):
+        raise ConfigError(f"--actor.model_name_or_path {model}: no such model folder or .gguf file (give a local HF "
+                          "model folder, a .gguf file, a Hugging Face id such as Qwen/Qwen3-8B-Base, or nothing for "
+                          "the embedded tiny model)")
     positions = _model_positions(model)
     if isinstance(positions, int) and cfg.data.max_len > positions:
         notice(f"--data.max_len {cfg.data.max_len} is above the model's max_position_embeddings ({positions}): "
@@ -974,6 +977,15 @@ def _model_positions(model: Optional[str]):
         from openrlhf_async.models.tiny import DEFAULT_SETTINGS
 
         return DEFAULT_SETTINGS["max_positions"]
+    if is_gguf(model) and os.path.isfile(model):
+        from openrlhf_async.models.gguf import context_length
+
+        try:
+            return context_length(model)
+        except Exception as e:  # not a GGUF file, or one without the field
+            why = (str(e).splitlines() or [""])[0][:200]
+            raise ConfigError(f"--actor.model_name_or_path {model}: not a readable GGUF model ({type(e).__name__}: "
+                              f"{why})") from None
     if not os.path.isdir(model):
         return _hub_model_positions(model)
     config_file = os.path.join(model, "config.json")

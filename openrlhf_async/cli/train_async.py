@@ -12,7 +12,7 @@ def prepare(cfg):
     any actor starts. A dry run writes nothing and builds nothing.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
-    from openrlhf_async.config import ConfigError, default_cache_dir, resolve_steps, to_dict, validate
+    from openrlhf_async.config import ConfigError, default_cache_dir, is_gguf, resolve_steps, to_dict, validate
     from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
     from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
     from openrlhf_async.utils.user_files import check_user_file
@@ -51,6 +51,11 @@ def prepare(cfg):
 
         print("building the embedded tiny model (cached after the first run) ...", flush=True)
         model_path = build_tiny_model(default_cache_dir(cfg))
+    elif is_gguf(model_path):
+        from openrlhf_async.models.gguf import hf_folder
+
+        print(f"converting {model_path} to an HF folder (cached after the first run) ...", flush=True)
+        model_path = hf_folder(model_path, default_cache_dir(cfg))
     return model_path, train_rows, eval_rows, resume
 
 
