@@ -257,6 +257,11 @@ class AgentConfig:
     workers: int = setting(0, "0 runs agent steps in the engine's process; N isolates them in N worker processes per "
                               "engine", range=">= 0")
     max_steps: int = setting(8, "agent steps (turns) per episode at most", range=">= 1")
+    observation_turn: str = setting("user", "how a multi-turn agent's observation joins the conversation with "
+                                            "--data.apply_chat_template: as a user or tool turn of the model's chat "
+                                            "template (the action's end-of-turn token kept, the next assistant turn "
+                                            "opened), or raw: appended as the agent wrote it (always raw without "
+                                            "the chat template)", choices=("user", "tool", "raw"))
     step_timeout: float = setting(30.0, "seconds one agent step may take; a step over it gives its episode reward 0",
                                   range="> 0 s")
     max_error_ratio: float = setting(0.5, "stop the run when more than this share of a batch's episodes failed in "
@@ -864,6 +869,11 @@ def _validate_mode(cfg: Config) -> None:
 
 def _validate_rollout(cfg: Config) -> None:
     r = cfg.rollout
+    if not cfg.data.apply_chat_template and cfg.agent.observation_turn != "raw":
+        if cfg.agent.observation_turn != "user":  # the default reads "user turns where there is a chat template"
+            notice(f"--agent.observation_turn {cfg.agent.observation_turn} has no effect without "
+                   "--data.apply_chat_template: observations are appended raw")
+        cfg.agent.observation_turn = "raw"
     if r.admission_margin and r.early_stop and cfg.mode == "fully_async":
         notice(f"--rollout.admission_margin {r.admission_margin} has no effect in --mode fully_async: running groups "
                "carry over into the next batch, so all --rollout.vllm_generate_batch_size groups stay in flight")

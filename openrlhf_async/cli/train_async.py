@@ -56,6 +56,17 @@ def prepare(cfg):
 
         print(f"converting {model_path} to an HF folder (cached after the first run) ...", flush=True)
         model_path = hf_folder(model_path, default_cache_dir(cfg))
+    if cfg.agent.func_path and cfg.agent.observation_turn != "raw":  # the engines build it: check it before them
+        from transformers import AutoTokenizer
+
+        from openrlhf_async.rollout.episode import ChatTurn
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
+        if getattr(tokenizer, "chat_template", None):
+            try:
+                ChatTurn(tokenizer, cfg.agent.observation_turn)
+            except Exception as e:
+                raise ConfigError(f"--agent.observation_turn {cfg.agent.observation_turn}: {e}") from None
     return model_path, train_rows, eval_rows, resume
 
 

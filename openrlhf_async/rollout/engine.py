@@ -65,7 +65,7 @@ class LLMRayActorAsync:
         self.aborted_groups: set = set()
         self.weight_version = 0
         self.version_marks: dict = {}  # request id -> VersionMarks, while it runs
-        self.runner = GroupRunner(agent, reward)
+        self.runner = GroupRunner(agent, reward, self.tokenizer)
 
     def ready(self) -> bool:
         return True

@@ -85,10 +85,40 @@ def _append_action(ep: Episode, out: dict) -> None:
     ep.turns += 1
 
 
+class ChatTurn:
+    """An observation as a turn of the model's chat template: the text that closes the assistant's turn (less the
+    end-of-turn token when the action ended with it: the model's own token stays as generated), opens a turn of
+    `role` holding the observation, and opens the next assistant turn. Taken from the template itself, by
+    rendering a conversation with and without the extra turn."""
+
+    _MARK = "\u2063OBSERVATION\u2063"
+
+    def __init__(self, tokenizer, role: str):
+        base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": self._MARK}]
+        closed = tokenizer.apply_chat_template(base, tokenize=False)
+        full = tokenizer.apply_chat_template(base + [{"role": role, "content": self._MARK}], tokenize=False,
+                                             add_generation_prompt=True)
+        if not full.startswith(closed) or closed.count(self._MARK) != 1:
+            raise ValueError(f"the chat template does not add a {role} turn after an assistant turn by appending "
+                             "text; use --agent.observation_turn raw and write the turn markers in the agent")
+        self.close = closed[closed.index(self._MARK) + len(self._MARK):]  # e.g. "<|im_end|>\n"
+        self.open, self.after = full[len(closed):].split(self._MARK)  # "<|im_start|>user\n", "<|im_end|>\n<|..."
+        self.eos_text = tokenizer.eos_token or ""
+        self.eos_id = tokenizer.eos_token_id
+
+    def text(self, observation: str, action_ids: list) -> str:
+        close = self.close
+        if action_ids and action_ids[-1] == self.eos_id and close.startswith(self.eos_text):
+            close = close[len(self.eos_text):]
+        return close + self.open + observation + self.after
+
+
 async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampling: dict, budget: int,
-                      max_steps: int, step_timeout: float, request_id: str) -> Episode:
+                      max_steps: int, step_timeout: float, request_id: str, chat_turn: Optional[ChatTurn] = None
+                      ) -> Episode:
     """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "token_versions", "finish_reason"}.
-    budget: response tokens (the model's and the observations') an episode may use in all."""
+    budget: response tokens (the model's and the observations') an episode may use in all.
+    chat_turn: observations become turns of the chat template (None: appended raw, as the agent wrote them)."""
     ep = Episode(request_id, list(prompt_ids), raw_reward=0.0)
     state = tokenizer.decode(prompt_ids)
     while True:
@@ -131,6 +161,8 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
             break
         remaining = budget - len(ep.response_ids)
         text = result.next_state[len(prefix) : len(prefix) + remaining * OBSERVATION_CHARS_PER_TOKEN]
+        if chat_turn is not None:
+            text = chat_turn.text(text, out["response_ids"])
         observation = tokenizer.encode(text, add_special_tokens=False)[:remaining]
         ep.response_ids += observation
         ep.logprobs += [0.0] * len(observation)

@@ -8,15 +8,21 @@ AgentExecutor files)."""
 
 import asyncio
 
-from openrlhf_async.rollout.episode import Episode, run_episode, run_executor_episode, run_group
+from openrlhf_async.rollout.episode import ChatTurn, Episode, run_episode, run_executor_episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
 
 
 class GroupRunner:
-    def __init__(self, agent, reward):
+    def __init__(self, agent, reward, tokenizer=None):
         """agent, reward: the run's AgentConfig and RewardConfig sections. The run's own agent and reward source
-        are loaded now, so that a broken file fails the engine's start rather than its first group."""
+        are loaded now, so that a broken file fails the engine's start rather than its first group.
+        tokenizer: the engine's; with --agent.observation_turn user or tool, observations become turns of its chat
+        template."""
         from openrlhf_async.reward.math_verify_reward import configure_math_verify
+
+        self.chat_turn = None
+        if agent.observation_turn != "raw" and getattr(tokenizer, "chat_template", None):
+            self.chat_turn = ChatTurn(tokenizer, agent.observation_turn)
 
         self.agent_path, self.agent_workers = agent.func_path, agent.workers  # "": the built-in math agent
         self.agent_max_steps, self.agent_step_timeout = agent.max_steps, agent.step_timeout
@@ -67,7 +73,7 @@ class GroupRunner:
             else:
                 ep = run_episode(lambda ids, smp, rid: engine.generate(ids, smp, rid, group_id), agent, tokenizer,
                                  prompt_ids, label, sampling, budgets[i], self.agent_max_steps,
-                                 self.agent_step_timeout, f"{group_id}-{i}")
+                                 self.agent_step_timeout, f"{group_id}-{i}", self.chat_turn)
             return ep if reward is None else rescored(ep, reward, tokenizer, prompt_text, label)
 
         return await run_group(episode, n, screen, group_filter)
