@@ -221,12 +221,15 @@ async def step(state, action, label):
         return 0.0, state + action + tool.observation(result), False, {{"tool_calls": 1}}
     return await tool.step(state, action, label)
 """)
-    # PID 2: in its own PID namespace, after bwrap's init
-    observation = tokenizer.encode("\n```output\n42 2\n```\n", add_special_tokens=False)
     groups = _rollout(engines, stack_cfg, prompts, str(wrapper))
     for ep in [e for g in groups for e in g]:
         (a0, a1), (b0, b1) = action_ranges(ep.action_mask)
         assert ep.turns == 2 and ep.extra_info["tool_calls"] == 1 and "accuracy" in ep.extra_info
+        # PID 2: in its own PID namespace, after bwrap's init; the output comes back as a user turn of the chat
+        # template (an action cut by its budget gets its end-of-turn token there).
+        closing = "" if ep.response_ids[a1 - 1] == tokenizer.eos_token_id else tokenizer.eos_token
+        observation = tokenizer.encode(closing + "<|user|>\n```output\n42 2\n```\n<|assistant|>",
+                                       add_special_tokens=False)
         assert ep.response_ids[a1:b0] == observation
         assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
         assert all(lp == 0.0 for lp in ep.logprobs[a1:b0]) and all(lp < 0 for lp in ep.logprobs[b0:b1])
