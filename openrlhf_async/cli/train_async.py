@@ -62,11 +62,10 @@ def prepare(cfg):
         from openrlhf_async.rollout.episode import ChatTurn
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                ChatTurn(tokenizer, cfg.agent.observation_turn)
-            except Exception as e:
-                raise ConfigError(f"--agent.observation_turn {cfg.agent.observation_turn}: {e}") from None
+        try:
+            ChatTurn.of(tokenizer, cfg.agent.observation_turn)
+        except Exception as e:
+            raise ConfigError(f"--agent.observation_turn {cfg.agent.observation_turn}: {e}") from None
     return model_path, train_rows, eval_rows, resume
 
 

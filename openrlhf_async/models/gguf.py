@@ -26,10 +26,11 @@ def is_gguf(path: str) -> bool:
 def _fingerprint(path: str) -> str:
     """The file's identity: its size and a hash of its first and last MiB (a full hash of a large file would cost
     as much as the conversion is meant to save)."""
-    digest = hashlib.sha256(f"{VERSION}:{os.path.getsize(path)}".encode())
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(f"{VERSION}:{size}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(1 << 20))
-        f.seek(max(0, os.path.getsize(path) - (1 << 20)))
+        f.seek(max(0, size - (1 << 20)))
         digest.update(f.read(1 << 20))
     return digest.hexdigest()[:12]
 
@@ -39,13 +40,13 @@ def context_length(path: str) -> int:
     from gguf import GGUFReader
 
     fields = GGUFReader(path).fields
-    arch = _text(fields["general.architecture"])
-    field = fields[f"{arch}.context_length"]
-    return int(field.parts[field.data[0]][0])
+    arch = bytes(_value(fields["general.architecture"])).decode()
+    return int(_value(fields[f"{arch}.context_length"])[0])
 
 
-def _text(field) -> str:
-    return bytes(field.parts[field.data[0]]).decode()
+def _value(field):
+    """A metadata field's value (as the reader's array: one number, or a string's bytes)."""
+    return field.parts[field.data[0]]
 
 
 def special_token_ids(path: str) -> dict:
@@ -57,7 +58,7 @@ def special_token_ids(path: str) -> dict:
         key = {"unk": "unknown", "pad": "padding"}.get(name, name)
         field = fields.get(f"tokenizer.ggml.{key}_token_id")
         if field is not None:
-            out[name] = int(field.parts[field.data[0]][0])
+            out[name] = int(_value(field)[0])
     return out
 
 

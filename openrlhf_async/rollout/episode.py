@@ -106,6 +106,14 @@ class ChatTurn:
         self.eos_text = tokenizer.eos_token or ""
         self.eos_id = tokenizer.eos_token_id
 
+    @classmethod
+    def of(cls, tokenizer, role: str) -> Optional["ChatTurn"]:
+        """The turn for --agent.observation_turn `role`; None (observations raw) for raw or a tokenizer without a
+        chat template. Raises ValueError for a template that cannot append the turn."""
+        if role == "raw" or not getattr(tokenizer, "chat_template", None):
+            return None
+        return cls(tokenizer, role)
+
     def text(self, observation: str, action_ids: list) -> str:
         close = self.close
         if action_ids and action_ids[-1] == self.eos_id and close.startswith(self.eos_text):

@@ -20,9 +20,7 @@ class GroupRunner:
         template."""
         from openrlhf_async.reward.math_verify_reward import configure_math_verify
 
-        self.chat_turn = None
-        if agent.observation_turn != "raw" and getattr(tokenizer, "chat_template", None):
-            self.chat_turn = ChatTurn(tokenizer, agent.observation_turn)
+        self.chat_turn = ChatTurn.of(tokenizer, agent.observation_turn)
 
         self.agent_path, self.agent_workers = agent.func_path, agent.workers  # "": the built-in math agent
         self.agent_max_steps, self.agent_step_timeout = agent.max_steps, agent.step_timeout
