@@ -73,7 +73,6 @@ _NO_CRITIC = "no effect: no critic is trained here (the critic-free estimators n
 _NO_REWARD_MODEL = "no effect: rewards come from the agent, a reward_func file or a reward service, not a model"
 _NO_MUON = "no effect: only the adam optimizer is built (--actor.optim muon is refused)"
 _REF_ON_POLICY = "no effect: the reference model always sits on the policy's ranks, partitioned like it"
-_ISSUE_18 = "no effect: samples are padded per micro batch; token-budget batching and packing are not built yet"
 
 
 @dataclass
@@ -112,6 +111,9 @@ class ActorConfig:
                                                   openrlhf="same")
     gradient_checkpointing_reentrant: bool = setting(False, "use the reentrant variant of gradient checkpointing",
                                                      openrlhf="same")
+    logprobs_chunk_size: int = setting(1024, "positions whose vocabulary-wide logits are computed at once for the "
+                                             "log-probs (recomputed in the backward pass, not kept); 0: all of a "
+                                             "micro batch's at once", range=">= 0")
     optim: str = setting("adam", "optimizer", choices=("adam", "muon"),
                          openrlhf="differs: adam only; muon is refused (not built)")
     muon_lr: float = setting(0.02, "Muon learning rate", flag="actor.muon.lr", openrlhf=_NO_MUON)
@@ -225,15 +227,26 @@ class RolloutConfig:
                                                                    "executor uses --data.max_len alone")
     temperature: float = setting(1.0, "rollout sampling temperature", range="> 0", openrlhf="same")
     top_p: float = setting(1.0, "rollout nucleus sampling top-p", range="(0, 1]", openrlhf="same")
-    micro_batch_size: int = setting(1, "samples per forward pass of the reference model (its log-probs)",
-                                    range=">= 1", openrlhf="differs: sizes the reference model's forward passes; "
-                                                           "the rollout log-probs come from vLLM")
+    stop: Optional[tuple] = setting(None, "strings that end a turn (vLLM's stop) with finish reason stop; the "
+                                          "response keeps every token the model wrote, the one completing the string "
+                                          "included, so the agent's action ends with it; none: a turn ends at the "
+                                          "model's end token or its budget", type=str, nargs="*")
+    stop_token_ids: Optional[tuple] = setting(None, "token ids that end a turn (vLLM's stop_token_ids) with finish "
+                                                    "reason stop, the token kept in the response; none: the model's "
+                                                    "end token alone", type=int, nargs="*", range=">= 0")
+    micro_batch_size: int = setting(1, "samples per forward pass that only computes log-probs (the reference "
+                                       "model's, the proximal policy's)",
+                                    range=">= 1", openrlhf="differs: sizes the trainer's log-prob passes; the "
+                                                           "rollout log-probs come from vLLM")
     vllm_generate_batch_size: Optional[int] = setting(
         None, "prompt groups in flight at once (FIFO); above --rollout.batch_size over-samples, and with early stop "
               "the surplus is cancelled; none: --rollout.batch_size", type=int, range=">= 1",
         openrlhf="differs: over-sampling also works in sync mode (early stop cancels the surplus)")
-    max_tokens_per_gpu: Optional[int] = setting(None, "token budget per forward pass of the rollout log-probs",
-                                                type=int, openrlhf=_ISSUE_18)
+    max_tokens_per_gpu: Optional[int] = setting(None, "with --train.dynamic_batch_enable, the token budget of a "
+                                                      "forward pass that only computes log-probs (the reference "
+                                                      "model's, the proximal policy's); none: "
+                                                      "--train.max_tokens_per_gpu", type=int, range=">= 1",
+                                                openrlhf="same")
     early_stop: bool = setting(True, "stop the rollout once enough valid groups exist: cancel queued groups, abort "
                                      "running ones")
     unbiased_early_stop: bool = setting(False, "stop only when every group started before the last accepted one "
@@ -307,8 +320,12 @@ class TrainConfig:
     colocate_critic_reward: bool = setting(False, "colocate critic and reward model", openrlhf=_NO_CRITIC)
     enable_ema: bool = setting(False, "keep an EMA copy of the weights", openrlhf="refused: EMA weights are not built")
     ema_beta: float = setting(0.992, "EMA coefficient", openrlhf="no effect: EMA weights are not built")
-    dynamic_batch_enable: bool = setting(False, "token-budget micro batches", openrlhf=_ISSUE_18)
-    max_tokens_per_gpu: int = setting(16192, "token budget of a training micro batch", openrlhf=_ISSUE_18)
+    dynamic_batch_enable: bool = setting(False, "micro batches of a token budget (--train.max_tokens_per_gpu) instead "
+                                                "of --train.micro_batch_size samples; turns on --ds.packing_samples",
+                                         openrlhf="same")
+    max_tokens_per_gpu: int = setting(16192, "with --train.dynamic_batch_enable, the token budget of a training "
+                                             "micro batch (a longer sample makes one alone)", range=">= 1",
+                                      openrlhf="same")
     weight_sync_bucket_mb: int = setting(64, "MB of weights per broadcast when syncing the engines", range=">= 1")
     max_staleness: int = setting(-1, "hard bound on a trained sample's staleness (trainer version minus the oldest "
                                      "version of its tokens); staler groups are dropped and counted; -1: the mode's "
@@ -324,8 +341,12 @@ class TrainConfig:
 class DataConfig:
     prompt_dataset: Optional[str] = setting(None, "prompts: JSONL/JSON/Parquet/CSV file, dataset folder or Hugging "
                                                   "Face id, name@split, comma-separated for a mixture; none: the "
-                                                  "built-in arithmetic task", type=str,
+                                                  "built-in task (--data.builtin_task)", type=str,
                                             openrlhf="differs: without it the built-in arithmetic task is used")
+    builtin_task: str = setting("arithmetic", "the built-in task used without --data.prompt_dataset: arithmetic "
+                                              "(\"57+8=\", for the embedded tiny model) or boxed_addition (\"What is "
+                                              "3 + 5? Put your final answer within \\boxed{}.\", for a small chat "
+                                              "model)", choices=("arithmetic", "boxed_addition"))
     prompt_probs: Optional[str] = setting(None, "sampling probabilities of the comma-separated datasets (0.7,0.3)",
                                           type=str, openrlhf="same")
     prompt_split: str = setting("train", "dataset split (name@split overrides it)", openrlhf="same")
@@ -486,7 +507,8 @@ class DSConfig:
     ring_attn_head_stride: int = setting(1, "ring attention heads per step", openrlhf=_SPEED_ONLY)
     use_liger_kernel: bool = setting(False, "Liger kernels", openrlhf=_SPEED_ONLY)
     deepcompile: bool = setting(False, "DeepSpeed DeepCompile", openrlhf=_SPEED_ONLY)
-    packing_samples: bool = setting(False, "pack samples without padding", openrlhf=_ISSUE_18)
+    packing_samples: bool = setting(False, "a micro batch's samples in one row without padding, attention kept "
+                                           "inside each sample (position ids restart per sample)", openrlhf="same")
     use_universal_ckpt: bool = setting(False, "DeepSpeed universal checkpoints",
                                        openrlhf="no effect: checkpoints resume with the same number of ranks")
     load_in_4bit: bool = setting(False, "QLoRA 4-bit base weights", openrlhf="refused: LoRA/QLoRA is not built")
@@ -859,6 +881,12 @@ def _validate_mode(cfg: Config) -> None:
                           "reference model then shares the policy's devices, as it always does here)")
     if cfg.ds.enable_sleep:
         notice("--ds.enable_sleep has no effect in the async modes: no engine shares the trainer's devices")
+    if t.dynamic_batch_enable:  # as OpenRLHF: token budgets pack their samples, and the log-prob passes share one
+        if not cfg.ds.packing_samples:
+            notice("--train.dynamic_batch_enable turns on --ds.packing_samples, as in OpenRLHF")
+            cfg.ds.packing_samples = True
+        if cfg.rollout.max_tokens_per_gpu is None:
+            cfg.rollout.max_tokens_per_gpu = t.max_tokens_per_gpu
     if cfg.queue_size < 1:
         raise ConfigError(f"--train.async_queue_size {cfg.queue_size} (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at "
                           "least 1")
@@ -877,6 +905,9 @@ def _validate_rollout(cfg: Config) -> None:
     if r.admission_margin and r.early_stop and cfg.mode == "fully_async":
         notice(f"--rollout.admission_margin {r.admission_margin} has no effect in --mode fully_async: running groups "
                "carry over into the next batch, so all --rollout.vllm_generate_batch_size groups stay in flight")
+    if r.stop and not all(r.stop):
+        raise ConfigError(f"--rollout.stop {' '.join(map(repr, r.stop))}: an empty string would end every turn at "
+                          "once; give non-empty strings")
     screen, n = r.screen_samples, r.n_samples_per_prompt
     if screen and not 2 <= screen < n:
         raise ConfigError(f"--rollout.screen_samples {screen}: use 0 (off) or a number from 2 to "

@@ -182,7 +182,7 @@ def test_openrlhf_0_8_step_dicts_are_checked():
                          ({"rewards": "1", "next_observation": "s", "done": True}, "reward '1'; expected a number"),
                          ({"rewards": 1.0, "scores": [1.0, 2.0], "next_observation": "s", "done": True}, "scores"),
                          ({"rewards": 1.0, "next_observation": "s", "done": True, "sampling_params": {"n": 1}},
-                          "sampling_params for the next turn; not supported")]:
+                          "sampling_params 'n'; a step may set stop, stop_token_ids, max_tokens")]:
         with pytest.raises(AgentStepError, match=message):
             check_step_result(bad)
 

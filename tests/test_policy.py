@@ -3,6 +3,7 @@ exactly, and PPO's mini-batch updates clip against the proximal policy."""
 
 import os
 
+import pytest
 import ray
 import torch
 
@@ -72,8 +73,15 @@ def _weights(path: str) -> dict:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+@pytest.mark.parametrize("layout", [
+    pytest.param((), id="padded-chunked-logprobs"),
+    pytest.param(("--actor.logprobs_chunk_size", "0"), id="padded-whole-logits"),
+    pytest.param(("--ds.packing_samples", "--actor.logprobs_chunk_size", "7"), id="packed"),
+    pytest.param(("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40", "--rollout.max_tokens_per_gpu",
+                  "30"), id="token-budget-packed"),
+])
 def test_a_zero3_step_on_uneven_masked_data_with_tis_and_kl_moves_every_weight_as_one_process_would(
-        ray_cluster, tiny_model_path, tmp_path):
+        ray_cluster, tiny_model_path, tmp_path, layout):
     """Two steps on 2 ZeRO-3 ranks with uneven token counts, observation tokens, TIS and the KL loss, micro batches
     of 2 (uneven on each rank) accumulated: the weights after each step against the single-process gradient,
     every coordinate. The second step starts away from the reference model, so the KL term has a gradient too.
@@ -82,7 +90,7 @@ def test_a_zero3_step_on_uneven_masked_data_with_tis_and_kl_moves_every_weight_a
     from conftest import preset_config
     from openrlhf_async.trainer.policy import PolicyGroup, loss_settings
 
-    cfg = preset_config(*EXACT_STEP)
+    cfg = preset_config(*EXACT_STEP, *layout)
     assert cfg.ds.zero_stage == 3 and cfg.actor.world_size == 2
     policy = PolicyGroup(cfg, tiny_model_path)
     samples = _uneven_samples()

@@ -21,7 +21,10 @@ def real_stack(ray_cluster, smollm2):
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
 
-    cfg = preset_config("--actor.model_name_or_path", smollm2, "--data.max_len", "512", "--vllm.num_engines", "1")
+    # Adam's first step moves every weight by about the learning rate: 3e-5 is seen in the synced weights and
+    # leaves the model a chat model (at the tiny preset's 3e-4 it rambles on without ending its turns).
+    cfg = preset_config("--actor.model_name_or_path", smollm2, "--data.max_len", "512", "--vllm.num_engines", "1",
+                        "--actor.adam.lr", "3e-5")
     engines = create_engines(cfg, smollm2)
     policy = PolicyGroup(cfg, smollm2)
     sync = WeightSync(policy, engines, cfg)
@@ -88,3 +91,69 @@ def test_after_a_step_and_a_sync_vllm_log_probs_and_greedy_tokens_agree_with_the
     teacher = ray.get(policy.call("forward_logprobs", greedy))[0]
     for out, ref in zip(greedy, teacher):
         assert out["response_ids"] == ref["greedy_ids"], "vLLM's greedy tokens differ from the trainer's argmax"
+
+
+def test_packed_token_budget_passes_give_the_padded_log_probs_on_the_real_model(real_stack, smollm2):
+    """The trainer's packed log-prob pass (token-budget micro batches, chunked log-softmax) on SmolLM2's uneven
+    samples: the same log-probs as padded rows with whole logits."""
+    cfg, engines, policy, _ = real_stack
+    outs = ray.get([engines[0].generate.remote(p, {"temperature": 1.0, "max_tokens": 96}, f"pack-{i}")
+                    for i, p in enumerate(_prompts(smollm2))])
+    padded = ray.get(policy.call("forward_logprobs", outs))[0]
+    settings = policy.batching
+    try:
+        policy.batching = {**settings, "packing": True, "logprobs_max_tokens": 200, "chunk": 64}
+        packed = policy.logprobs(outs, 1.0)
+    finally:
+        policy.batching = settings
+    diffs = [abs(a - b) for p, ref in zip(packed, padded) for a, b in zip(p, ref["logprobs"])]
+    assert [len(p) for p in packed] == [len(o["response_ids"]) for o in outs]
+    assert max(diffs) < 1e-4, max(diffs)
+
+
+MULTI_TURN_AGENT = """
+    async def step(state, action, label):
+        if "Check your answer" in state:
+            return float(label in action), state + action, True, {}
+        return 0.0, state + action + "Check your answer, then give it again in \\\\boxed{}.", False, {}
+"""
+
+
+def test_a_multi_turn_episode_on_the_real_engine_is_a_chat_the_trainer_scores_as_vllm_did(real_stack, smollm2,
+                                                                                         tmp_path):
+    """Two turns on SmolLM2 through the engine: each action ends with the model's <|im_end|>, the observation is a
+    user turn of its chat template, and the trainer, given the episode's tokens, computes the log-probs vLLM
+    reported for every action token: no token was re-tokenised between the turns."""
+    from transformers import AutoTokenizer
+
+    from conftest import user_file
+
+    cfg, engines, policy, _ = real_stack
+    agent = user_file(tmp_path, "two_turns.py", MULTI_TURN_AGENT)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompt = _prompts(smollm2)[0]
+    # Sampled: a greedy answer may run to the budget without ending its turn.
+    episodes = ray.get(engines[0].generate_group.remote(prompt, "7", 6, {"temperature": 1.0}, "multi-turn", 400,
+                                                        agent))
+    assert not any(ep.error for ep in episodes)
+    episodes = [ep for ep in episodes if ep.turns == 2]
+    assert episodes, "no episode ended its first turn within the budget"
+    end_of_turn = _end_of_turn(smollm2)
+    for ep in episodes:
+        mask = ep.action_mask
+        runs, start = [], 0  # [start, end, trained] runs of the mask
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                runs.append((start, i, mask[start]))
+                start = i
+        assert [trained for _, _, trained in runs] == [1, 0, 1]
+        first, observation, second = (ep.response_ids[a:b] for a, b, _ in runs)
+        assert first[-1] == end_of_turn and end_of_turn not in first[:-1]
+        assert (second[-1] == end_of_turn) == (ep.finish_reason == "stop")  # or it ran out of budget
+        assert tokenizer.decode(observation) == ("\n<|im_start|>user\nCheck your answer, then give it again in "
+                                                 "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+        teacher = ray.get(policy.call("forward_logprobs", [{"prompt_ids": prompt, "response_ids": ep.response_ids,
+                                                            "action_mask": mask}]))[0][0]
+        vllm = [lp for lp, m in zip(ep.logprobs, mask) if m]
+        assert len(teacher["logprobs"]) == len(vllm)
+        assert max(abs(a - b) for a, b in zip(teacher["logprobs"], vllm)) < 4e-4

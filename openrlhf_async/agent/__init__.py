@@ -8,6 +8,9 @@ The step contract, as this project defines it:
 - returns `reward` (a number; an episode's reward is the sum over its steps), `next_state` (the new episode text:
   `state + action + observation`, of which only the new observation is tokenised and appended; ignored when
   done), `done` (bool) and `extra_info` (a dict, logged).
+A step that sets the sampling of its episode's next turns returns OpenRLHF 0.8's dict (below) with
+"sampling_params": a dict of TURN_SAMPLING keys, each of which holds from the next turn on, over the --rollout
+flags', until a step gives that key again.
 `step` may be `async def` (run on the engine's event loop) or a plain `def` (run off the loop, in threads of its
 own or, with --agent.workers N, in worker processes).
 
@@ -16,8 +19,7 @@ OpenRLHF 0.8.3-0.8.6 step files, `async def step(observation, action, label, **k
 same contract spelled differently: their observation is the whole text so far, and next_observation replaces it,
 so it is this contract's state and next_state. The dynamic-sampling filter reads the last step's "scores" where
 given, else the summed rewards, as OpenRLHF does. They are called without kwargs: a step that reads
-kwargs.get("sampling_params") gets None, and one that returns sampling_params for the next turn is refused, as
-this project's engine takes its sampling settings from the flags."""
+kwargs.get("sampling_params") gets None."""
 
 import asyncio
 import inspect
@@ -38,6 +40,22 @@ CONTRACT = ("a module-level `step(state, action, label)` returning (reward, next
 STEP_DICT_KEYS = ("rewards", "next_observation", "done")
 
 
+def _stop_strings(value) -> bool:
+    strings = [value] if isinstance(value, str) else value
+    return isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings)
+
+
+# What a step's sampling_params may set, each with the test of its value and what it expects. Temperature and top-p
+# are not among them: the trainer scores every token at --rollout.temperature, so a turn sampled otherwise would be
+# trained on the log-probs of another distribution.
+TURN_SAMPLING = {
+    "stop": (_stop_strings, "a non-empty string or a list of them"),
+    "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(type(i) is int and i >= 0 for i in v),
+                       "a list of token ids (whole numbers from 0)"),
+    "max_tokens": (lambda v: type(v) is int and v >= 1, "a whole number from 1 (capped by the episode's budget)"),
+}
+
+
 class AgentFileError(ValueError):
     """The agent file is missing, does not import, or does not follow the contract."""
 
@@ -53,6 +71,7 @@ class StepResult:
     done: bool
     extra_info: dict = field(default_factory=dict)
     score: Optional[float] = None  # what the filter reads (OpenRLHF's "scores"); None: the episode's summed reward
+    sampling_params: dict = field(default_factory=dict)  # vLLM settings for the episode's next turns; {}: as before
 
 
 def _import_file(path: str):
@@ -69,16 +88,14 @@ def _number(value, what: str) -> float:
 
 def check_step_result(value) -> StepResult:
     """A step's answer: this project's tuple, or OpenRLHF 0.8's dict (see the module's docstring)."""
-    score = None
+    score, sampling = None, {}
     if isinstance(value, dict):
         missing = [key for key in STEP_DICT_KEYS if key not in value]
         if missing:
             raise AgentStepError(f"step returned a dict without {', '.join(map(repr, missing))}; expected OpenRLHF "
                                  '0.8\'s {"rewards", "next_observation", "done", "scores", "extra_logs"}')
-        if value.get("sampling_params") is not None:
-            raise AgentStepError("step returned sampling_params for the next turn; not supported here (sampling "
-                                 "comes from the --rollout flags): return None")
         score = None if value.get("scores") is None else _number(value["scores"], "scores")
+        sampling = _turn_sampling(value.get("sampling_params") or {})
         value = (value["rewards"], value["next_observation"], value["done"], value.get("extra_logs"))
     elif not isinstance(value, (tuple, list)) or len(value) != 4:
         raise AgentStepError(f"step returned {type(value).__name__}; expected a tuple "
@@ -86,7 +103,26 @@ def check_step_result(value) -> StepResult:
     reward, next_state, done, extra = value
     if not isinstance(next_state, str):
         raise AgentStepError(f"step returned next_state of type {type(next_state).__name__}; expected str")
-    return StepResult(_number(reward, "reward"), next_state, bool(done), dict(extra or {}), score)
+    return StepResult(_number(reward, "reward"), next_state, bool(done), dict(extra or {}), score, sampling)
+
+
+def _turn_sampling(params) -> dict:
+    """A step's sampling_params, checked here (vLLM would fail the whole group on a bad one), in the lists vLLM
+    takes."""
+    if not isinstance(params, dict):
+        raise AgentStepError(f"step returned sampling_params of type {type(params).__name__}; expected a dict with "
+                             f"keys among {', '.join(TURN_SAMPLING)}")
+    params = {key: value for key, value in params.items() if value is not None}
+    for key, value in params.items():
+        if key not in TURN_SAMPLING:
+            raise AgentStepError(f"step returned sampling_params {key!r}; a step may set {', '.join(TURN_SAMPLING)} "
+                                 "(temperature and top_p stay the --rollout flags': the trainer scores every token "
+                                 "with them)")
+        if not TURN_SAMPLING[key][0](value):
+            raise AgentStepError(f"step returned sampling_params {key} {value!r}; expected {TURN_SAMPLING[key][1]}")
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in params.items()}
 
 
 class StepAgent:

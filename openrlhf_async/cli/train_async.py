@@ -77,9 +77,9 @@ def load_datasets(cfg, builtin_dir: str):
     check_input_template(cfg.data.input_template)
     train_keys = eval_keys = cfg.data.input_key, cfg.data.label_key
     if not cfg.data.prompt_dataset:
-        from openrlhf_async.data.synthetic import write_arithmetic_dataset
+        from openrlhf_async.data.synthetic import write_builtin_task
 
-        cfg.data.prompt_dataset, eval_path = write_arithmetic_dataset(builtin_dir)
+        cfg.data.prompt_dataset, eval_path = write_builtin_task(cfg.data.builtin_task, builtin_dir)
         train_keys = "prompt", "label"
         if not cfg.eval.dataset:
             cfg.eval.dataset, eval_keys = eval_path, train_keys

@@ -1,4 +1,9 @@
-"""Built-in arithmetic task: small integer sums/differences with exact answers.
+"""Built-in tasks (--data.builtin_task), used without --data.prompt_dataset:
+
+- arithmetic: small integer sums and differences written as "57+8=", for the embedded character-level model;
+- boxed_addition: "What is 3 + 5? Put your final answer within \\boxed{}.", the 100 sums of two single digits, for
+  a small pretrained chat model: SmolLM2-135M-Instruct answers about 8% of them right at temperature 1 (mostly
+  for want of the box), so its groups' rewards vary and RL has something to teach.
 
 Rows use the same schema as real datasets: ``{"prompt": <user text>, "label": <answer>}``.
 """
@@ -17,6 +22,8 @@ DEFAULT_OPS = "+-"
 DEFAULT_A_RANGE = (10, 99)
 DEFAULT_B_RANGE = (0, 9)
 HELDOUT_MOD = 10  # ~1/10 of all questions form the held-out pool
+BUILTIN_TASKS = ("arithmetic", "boxed_addition")
+BOXED_ADDITION_HELDOUT = 20  # of the 100 boxed additions, held out for evaluation
 
 
 def _question(a: int, op: str, b: int) -> tuple[str, str]:
@@ -121,5 +128,30 @@ def write_arithmetic_dataset(
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         os.replace(tmp, path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def boxed_addition_rows(split: str, seed: int = 0) -> list[dict]:
+    """The split's boxed additions: BOXED_ADDITION_HELDOUT of the 100 for "eval", the rest for "train"."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    chosen = pairs[:BOXED_ADDITION_HELDOUT] if split == "eval" else pairs[BOXED_ADDITION_HELDOUT:]
+    return [{"prompt": f"What is {a} + {b}? Put your final answer within \\boxed{{}}.", "label": str(a + b)}
+            for a, b in chosen]
+
+
+def write_builtin_task(task: str, out_dir: str) -> tuple[str, str]:
+    """Write the task's ``train.jsonl`` / ``eval.jsonl`` (disjoint questions) and return their paths."""
+    if task == "arithmetic":
+        return write_arithmetic_dataset(out_dir)
+    if task != "boxed_addition":
+        raise ValueError(f"unknown built-in task {task!r}; choose from {', '.join(BUILTIN_TASKS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for split in ("train", "eval"):
+        path = os.path.join(out_dir, f"{split}.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in boxed_addition_rows(split))
         paths.append(path)
     return paths[0], paths[1]

@@ -76,18 +76,29 @@ class LocalHandle:
 _group_ids = itertools.count()
 
 
+def turn_sampling(rollout, temperature: Optional[float] = None, top_p: Optional[float] = None) -> dict:
+    """A turn's vLLM sampling: --rollout.temperature and top_p (or the evaluation's), and the stop strings and token
+    ids where set."""
+    sampling = {"temperature": rollout.temperature if temperature is None else temperature,
+                "top_p": rollout.top_p if top_p is None else top_p}
+    for key in ("stop", "stop_token_ids"):
+        if getattr(rollout, key):
+            sampling[key] = list(getattr(rollout, key))  # vLLM takes lists
+    return sampling
+
+
 class RolloutController:
     def __init__(self, cfg, engines: list, *, sampling: Optional[dict] = None, carry_over: bool = False,
                  on_group: Optional[Callable] = None, wave_size: int = 0, abort_timeout: float = 60.0):
         """cfg: the run's Config; its rollout, algo, agent, reward and vllm sections set the rollout.
-        sampling: vLLM sampling parameters (None: --rollout.temperature and --rollout.top_p).
+        sampling: vLLM sampling parameters (None: --rollout.temperature, top_p, stop and stop_token_ids).
         carry_over (early stop only): groups still running when a batch is complete keep running and join the next
         batch (surplus valid groups too) instead of being aborted; their tokens may then span weight versions.
         on_group(prompt, flat) is called for each finished group; flat: its scores are all equal.
         wave_size: without early stop, prompts per wave (0: the batch target; DAPO uses 3x)."""
         rollout = cfg.rollout
         self.engines, self.n, self.budget = engines, rollout.n_samples_per_prompt, cfg.budget
-        self.sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p} if sampling is None else sampling
+        self.sampling = turn_sampling(rollout) if sampling is None else sampling
         self.max_concurrent_prompts = cfg.max_concurrent_prompts
         self.agent_path = cfg.agent.func_path
         self.filter = GroupFilter.from_config(cfg.algo)

@@ -126,6 +126,7 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
                       ) -> Episode:
     """generate(prompt_ids, sampling, request_id) -> {"response_ids", "logprobs", "token_versions", "finish_reason"}.
     budget: response tokens (the model's and the observations') an episode may use in all.
+    A step's sampling_params override `sampling` key by key from the next turn on; max_tokens is capped by the budget.
     chat_turn: observations become turns of the chat template (None: appended raw, as the agent wrote them)."""
     ep = Episode(request_id, list(prompt_ids), raw_reward=0.0)
     state = tokenizer.decode(prompt_ids)
@@ -134,7 +135,8 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
         if remaining <= 0:
             ep.finish_reason = "length"
             break
-        out = await generate(ep.prompt_ids + ep.response_ids, {**sampling, "max_tokens": remaining},
+        max_tokens = min(sampling.get("max_tokens", remaining), remaining)
+        out = await generate(ep.prompt_ids + ep.response_ids, {**sampling, "max_tokens": max_tokens},
                              f"{request_id}-t{ep.turns}")
         _append_action(ep, out)
         if out["finish_reason"] == "abort":
@@ -160,6 +162,8 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
             break
         ep.score, ep.raw_reward = score, reward
         ep.extra_info = result.extra_info
+        if result.sampling_params:
+            sampling = {**sampling, **result.sampling_params}
         if result.done or ep.turns >= max_steps:
             break
         prefix = state + action

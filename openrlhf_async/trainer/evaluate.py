@@ -1,7 +1,7 @@
 """Evaluation on the held-out split: k episodes per problem on the engines, scored as mean@k and pass@k."""
 
 from openrlhf_async.config import config_with
-from openrlhf_async.rollout.controller import RolloutController
+from openrlhf_async.rollout.controller import RolloutController, turn_sampling
 
 
 def evaluate(cfg, engines: list, eval_prompts: list) -> tuple:
@@ -18,7 +18,7 @@ def evaluate(cfg, engines: list, eval_prompts: list) -> tuple:
                            algo={"dynamic_filtering_enable": False}, agent={"max_error_ratio": 1.0},
                            reward={"overlong_buffer_len": 0, "max_error_ratio": 1.0})
     controller = RolloutController(settings, engines,
-                                   sampling={"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p})
+                                   sampling=turn_sampling(cfg.rollout, cfg.eval.temperature, cfg.eval.top_p))
     groups, _ = controller.run(iter(eval_prompts).__next__, len(eval_prompts))
     return eval_scores([[float(ep.extra_info.get("accuracy", ep.score > 0)) for ep in g] for g in groups]), groups
 

@@ -9,12 +9,12 @@ import socket
 
 import torch
 
+from openrlhf_async.trainer.batching import Layout, plan, sample_length, target_logprobs
 from openrlhf_async.trainer.losses import (
     aggregate,
     approx_kl,
     kl_reward_advantages,
     policy_loss,
-    token_entropy,
     token_logprobs,
 )
 from openrlhf_async.utils.ray_utils import get_all
@@ -163,71 +163,61 @@ class PolicyActor:
     def _device(self):
         return next(self.engine.module.parameters()).device
 
-    def _batch(self, samples: list):
-        """Right-padded input ids, attention mask, a mask of response positions in the shifted targets, the rollout
-        log-probs, the advantages and the proximal policy's log-probs ("old_logprobs"; None when no sample has
-        them: the current policy is the proximal one)."""
-        length = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-        ids = torch.zeros(len(samples), length, dtype=torch.long)
-        attn = torch.zeros(len(samples), length, dtype=torch.long)
-        resp = torch.zeros(len(samples), length - 1)
-        old = torch.zeros(len(samples), length - 1)
-        adv = torch.zeros(len(samples), length - 1)
-        proximal = torch.zeros(len(samples), length - 1) if any("old_logprobs" in s for s in samples) else None
+    def _targets(self, samples: list) -> dict:
+        """One right-padded row per sample over its target positions (position t predicts token t + 1): the mask of
+        the response tokens the model wrote, the rollout log-probs, the advantages, and where the samples have
+        them the proximal policy's ("old_logprobs") and the reference model's ("ref_logprobs") log-probs."""
+        width = max(sample_length(s) for s in samples) - 1
+        rows = {key: torch.zeros(len(samples), width) for key in ("mask", "logprobs", "advantage")}
+        for key in ("old_logprobs", "ref_logprobs"):
+            rows[key] = torch.zeros(len(samples), width) if any(key in s for s in samples) else None
         for i, s in enumerate(samples):
             p, r = len(s["prompt_ids"]), len(s["response_ids"])
-            ids[i, : p + r] = torch.tensor(s["prompt_ids"] + s["response_ids"])
-            attn[i, : p + r] = 1
-            # Target position t predicts token t+1; tokens the environment wrote (action_mask 0) are not trained.
-            resp[i, p - 1 : p + r - 1] = torch.tensor(s.get("action_mask", [1] * r), dtype=torch.float32)
-            if "logprobs" in s:
-                old[i, p - 1 : p + r - 1] = torch.tensor(s["logprobs"], dtype=torch.float32)
-            adv[i, p - 1 : p + r - 1] = s.get("advantage", 0.0)
-            if proximal is not None and "old_logprobs" in s:
-                proximal[i, p - 1 : p + r - 1] = torch.tensor(s["old_logprobs"], dtype=torch.float32)
+            # Tokens the environment wrote (action_mask 0) are not trained.
+            rows["mask"][i, p - 1 : p + r - 1] = torch.tensor(s.get("action_mask", [1] * r), dtype=torch.float32)
+            rows["advantage"][i, p - 1 : p + r - 1] = s.get("advantage", 0.0)
+            for key in ("logprobs", "old_logprobs", "ref_logprobs"):
+                if rows[key] is not None and key in s:
+                    rows[key][i, p - 1 : p + r - 1] = torch.tensor(s[key], dtype=torch.float32)
         dev = self._device()
-        return (ids.to(dev), attn.to(dev), resp.to(dev), old.to(dev), adv.to(dev),
-                None if proximal is None else proximal.to(dev))
+        return {key: None if t is None else t.to(dev) for key, t in rows.items()}
 
-    def train_step(self, samples: list, totals: dict, num_micro_batches: int, loss_cfg: dict) -> dict:
-        """One optimizer step over this rank's samples; the loss is aggregated over the global batch (totals: its
-        response tokens and sequences). Every rank runs the same number of micro batches: ZeRO-3 gathers parameters
-        collectively per forward. loss_cfg: see loss_settings."""
+    def _logprobs(self, model, samples: list, temperature: float, layout: dict, entropy: bool = False):
+        """[B, T] log-probs (and entropies) of one forward pass over samples, laid out as layout says (packing,
+        chunk: see batching_settings)."""
+        inputs = Layout.of(samples, layout["packing"]).to(self._device())
+        return target_logprobs(model, inputs, temperature, layout["chunk"], entropy)
+
+    def train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
+        """One optimizer step over this rank's micro batches (lists of samples; an empty one stands in where the
+        rank has none left: every rank runs as many, as ZeRO-3 gathers parameters collectively per forward). The
+        loss is aggregated over the global batch (totals: its response tokens and sequences). loss_cfg: see
+        loss_settings; layout: see batching_settings."""
         with self.timeline.span("train"):
-            return self._train_step(samples, totals, num_micro_batches, loss_cfg)
+            return self._train_step(micro_batches, totals, loss_cfg, layout)
 
-    def _reference_logprobs(self, ids, attn, temperature: float, chunk: int):
-        """The reference model's log-probs, chunk samples per forward (--rollout.micro_batch_size)."""
-        with torch.no_grad():
-            return torch.cat([token_logprobs(self.reference(input_ids=ids[i : i + chunk],
-                                                            attention_mask=attn[i : i + chunk]).logits[:, :-1],
-                                             ids[i : i + chunk, 1:], temperature)
-                              for i in range(0, len(ids), chunk)])
-
-    def _train_step(self, samples: list, totals: dict, num_micro_batches: int, loss_cfg: dict) -> dict:
+    def _train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
         self.engine.train()
         figures = dict.fromkeys(["loss", "clipped", "corrected", "weight", "vllm_kl", "kl", "entropy"], 0.0)
         tokens = 0
-        size = -(-len(samples) // num_micro_batches) if samples else 1
-        micro_batches = [samples[k * size : (k + 1) * size] or [EMPTY_SAMPLE] for k in range(num_micro_batches)]
         kl_cfg, agg = loss_cfg["kl"], loss_cfg["agg"]
         # GSPO's loss is a mean per sequence, as in OpenRLHF.
         agg = "seq-mean-token-mean" if loss_cfg["loss_type"] == "gspo" else agg
         share = dict(global_tokens=totals["tokens"], global_sequences=totals["sequences"])
         for k, micro in enumerate(micro_batches):
-            ids, attn, mask, rollout_logp, adv, proximal = self._batch(micro)
-            logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            logp = token_logprobs(logits, ids[:, 1:], loss_cfg["temperature"])
+            rows = self._targets(micro or [EMPTY_SAMPLE])
+            mask, adv = rows["mask"], rows["advantage"]
+            logp, entropy = self._logprobs(self.engine, micro or [EMPTY_SAMPLE], loss_cfg["temperature"], layout,
+                                           entropy=loss_cfg["entropy_coef"] is not None)
             # The proximal policy (pi_old) the ratio is clipped against: the policy before the batch's first update
             # (recomputed, or the rollout's), or with a single update the current one (ratio 1, the clip idle).
-            old_logp = logp.detach() if proximal is None else proximal
-            ref_logp = kl = None
-            if self.reference is not None and kl_cfg["coef"] > 0:
-                ref_logp = self._reference_logprobs(ids, attn, loss_cfg["temperature"], loss_cfg["ref_micro_batch"])
-                if not kl_cfg["use_loss"]:  # the KL as a per-token reward penalty, summed into later advantages
-                    adv = adv + kl_reward_advantages(approx_kl(old_logp, ref_logp, kl_cfg["estimator"]), mask,
-                                                     kl_cfg["coef"])
-            out = policy_loss(logp, old_logp, rollout_logp, adv, mask, loss_cfg["clip"], loss_cfg["dual_clip"],
+            old_logp = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"]
+            ref_logp, kl = (rows["ref_logprobs"] if kl_cfg["coef"] > 0 else None), None
+            if ref_logp is not None and not kl_cfg["use_loss"]:
+                # The KL as a per-token reward penalty, summed into later advantages.
+                adv = adv + kl_reward_advantages(approx_kl(old_logp, ref_logp, kl_cfg["estimator"]), mask,
+                                                 kl_cfg["coef"])
+            out = policy_loss(logp, old_logp, rows["logprobs"], adv, mask, loss_cfg["clip"], loss_cfg["dual_clip"],
                               loss_cfg["loss_type"], loss_cfg["correction"])
             loss = aggregate(out["token_loss"], mask, agg, **share)
             if ref_logp is not None and kl_cfg["use_loss"]:
@@ -235,8 +225,7 @@ class PolicyActor:
                 loss = loss + kl_cfg["coef"] * aggregate(kl, mask, agg, **share)
             elif ref_logp is not None:
                 kl = approx_kl(old_logp, ref_logp, kl_cfg["estimator"])
-            if loss_cfg["entropy_coef"] is not None:
-                entropy = token_entropy(logits, loss_cfg["temperature"])
+            if entropy is not None:
                 if loss_cfg["entropy_coef"]:
                     loss = loss - loss_cfg["entropy_coef"] * aggregate(entropy, mask, agg, **share)
                 figures["entropy"] += float((entropy.detach() * mask).sum())
@@ -257,32 +246,30 @@ class PolicyActor:
                 "lr": lr}
 
     @torch.no_grad()
-    def proximal_logprobs(self, samples: list, num_micro_batches: int, temperature: float) -> list:
-        """This rank's samples' log-probs at every response position (observations too) under the current weights:
-        pi_old for the batch's updates. Every rank runs the same number of micro batches (ZeRO-3)."""
+    def logprobs(self, micro_batches: list, temperature: float, layout: dict, reference: bool = False) -> list:
+        """Each sample's log-probs at its response positions (observations too) under the current weights, or the
+        reference model's; per micro batch, a list per sample. Every rank runs as many micro batches (ZeRO-3)."""
+        model = self.reference if reference else self.engine
         with self.timeline.span("train"):
-            self.engine.eval()
-            size = -(-len(samples) // num_micro_batches) if samples else 1
+            model.eval()
             out = []
-            for k in range(num_micro_batches):
-                micro = samples[k * size : (k + 1) * size]
-                ids, attn, *_ = self._batch(micro or [EMPTY_SAMPLE])
-                logp = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:],
-                                      temperature)
-                for i, s in enumerate(micro):
-                    p, r = len(s["prompt_ids"]), len(s["response_ids"])
-                    out.append(logp[i, p - 1 : p + r - 1].tolist())
+            for micro in micro_batches:
+                logp, _ = self._logprobs(model, micro or [EMPTY_SAMPLE], temperature, layout)
+                out.append([logp[i, len(s["prompt_ids"]) - 1 : sample_length(s) - 1].tolist()
+                            for i, s in enumerate(micro)])
             return out
 
     @torch.no_grad()
     def forward_logprobs(self, samples: list, temperature: float = 1.0) -> list:
-        """Per-response-token logprobs and greedy (argmax) tokens under the current weights.
+        """Per-response-token logprobs and greedy (argmax) tokens under the current weights, from padded rows and
+        whole logits (the reference the other layouts are checked against).
         Under ZeRO-3 every rank must call this with the same samples (parameters are gathered collectively)."""
         self.engine.eval()
-        ids, attn, mask, *_ = self._batch(samples)
-        logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = token_logprobs(logits, ids[:, 1:], temperature)
+        inputs = Layout.of(samples, packed=False).to(self._device())
+        logits = self.engine(input_ids=inputs.ids, attention_mask=inputs.attention_mask).logits[:, :-1]
+        logp = token_logprobs(logits, inputs.ids[:, 1:], temperature)
         greedy = logits.argmax(-1)
+        mask = self._targets(samples)["mask"]
         out = []
         for i in range(len(samples)):
             pos = mask[i].bool()
@@ -376,9 +363,34 @@ class PolicyGroup:
             for rank in range(world)
         ]
         get_all([a.ready.remote() for a in self.actors])
+        self.batching = batching_settings(cfg)
 
-    def shard(self, samples: list) -> list:
-        return [samples[r :: len(self.actors)] for r in range(len(self.actors))]
+    def _plan(self, samples: list, size: int, max_tokens) -> list:
+        """Per rank, its micro batches as lists of samples (batching.plan)."""
+        indices = plan(samples, len(self.actors), size, max_tokens, self.batching["packing"])
+        return [[[samples[i] for i in batch] for batch in batches] for batches in indices], indices
+
+    def logprobs(self, samples: list, temperature: float, reference: bool = False) -> list:
+        """Each sample's log-probs at its response positions under the current weights (or the reference model's),
+        in passes of --rollout.micro_batch_size samples or --rollout.max_tokens_per_gpu tokens."""
+        b = self.batching
+        batches, indices = self._plan(samples, b["logprobs_micro_batch_size"], b["logprobs_max_tokens"])
+        results = get_all([a.logprobs.remote(micro, temperature, b, reference)
+                           for a, micro in zip(self.actors, batches)])
+        out = [None] * len(samples)
+        for rank_indices, rank_results in zip(indices, results):
+            for batch, values in zip(rank_indices, rank_results):
+                for i, v in zip(batch, values):
+                    out[i] = v
+        return out
+
+    def _with_reference(self, samples: list, loss_cfg: dict) -> list:
+        """The samples with the reference model's log-probs, computed before the updates as OpenRLHF's experience
+        maker does (a pass per training micro batch would run a different number of ZeRO-3 gathers per rank)."""
+        if loss_cfg["kl"]["coef"] <= 0 or all("ref_logprobs" in s for s in samples):
+            return samples
+        refs = self.logprobs(samples, loss_cfg["temperature"], reference=True)
+        return [{**s, "ref_logprobs": ref} for s, ref in zip(samples, refs)]
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Start the same method on every rank; returns the object refs."""
@@ -395,15 +407,12 @@ class PolicyGroup:
 
         per_epoch = -(-len(samples) // mini_batch_size)
         updates = epochs * per_epoch
+        samples = self._with_reference(samples, loss_cfg)
         if loss_cfg["proximal"] == "rollout":
             samples = [{**s, "old_logprobs": s["logprobs"]} for s in samples]
         elif updates > 1:
-            shards = self.shard(samples)
-            num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
-            olds = get_all([a.proximal_logprobs.remote(shard, num_micro, loss_cfg["temperature"])
-                            for a, shard in zip(self.actors, shards)])
-            by_rank = [iter(o) for o in olds]
-            samples = [{**s, "old_logprobs": next(by_rank[i % len(self.actors)])} for i, s in enumerate(samples)]
+            olds = self.logprobs(samples, loss_cfg["temperature"])
+            samples = [{**s, "old_logprobs": old} for s, old in zip(samples, olds)]
         rng, results = random.Random(seed), []
         for _ in range(epochs):
             order = list(range(len(samples)))
@@ -417,14 +426,15 @@ class PolicyGroup:
                 "updates": len(results)}
 
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
-        """One optimizer step on the batch; returns the step's loss figures (means over the batch's tokens)."""
+        """One optimizer step on the batch, in micro batches of micro_batch_size samples or, with
+        --train.dynamic_batch_enable, of --train.max_tokens_per_gpu tokens; returns the step's loss figures (means
+        over the batch's tokens)."""
+        samples = self._with_reference(samples, loss_cfg)
         masks = [s.get("action_mask", [1] * len(s["response_ids"])) for s in samples]
         totals = {"tokens": max(1, sum(map(sum, masks))), "sequences": max(1, sum(1 for m in masks if any(m)))}
-        shards = self.shard(samples)
-        num_micro = max(1, -(-max(len(s) for s in shards) // micro_batch_size))
-        results = get_all([
-            a.train_step.remote(shard, totals, num_micro, loss_cfg) for a, shard in zip(self.actors, shards)
-        ])
+        batches, _ = self._plan(samples, micro_batch_size, self.batching["max_tokens"])
+        results = get_all([a.train_step.remote(micro, totals, loss_cfg, self.batching)
+                           for a, micro in zip(self.actors, batches)])
         total = {key: sum(r[key] for r in results) for key in results[0]}
         tokens = totals["tokens"]
         figures = {
@@ -472,13 +482,21 @@ def model_settings(cfg) -> dict:
             "deterministic": cfg.train.full_determinism_enable}
 
 
+def batching_settings(cfg) -> dict:
+    """How samples become forward passes (trainer/batching.py): token budgets (None: fixed micro batch sizes),
+    packing, the log-softmax chunk, and the micro batches of the passes that only compute log-probs."""
+    dynamic = cfg.train.dynamic_batch_enable
+    return {"max_tokens": cfg.train.max_tokens_per_gpu if dynamic else None, "packing": cfg.ds.packing_samples,
+            "chunk": cfg.actor.logprobs_chunk_size, "logprobs_micro_batch_size": cfg.rollout.micro_batch_size,
+            "logprobs_max_tokens": cfg.rollout.max_tokens_per_gpu if dynamic else None}
+
+
 def loss_settings(cfg, **overrides) -> dict:
     """The loss settings PolicyGroup.train_step takes, from the run's config."""
     a, algo = cfg.actor, cfg.algo
     settings = {
         "proximal": a.proximal_policy, "clip": a.clip_range, "dual_clip": a.dual_clip, "loss_type": a.policy_loss_type, "agg": a.loss_agg_mode,
         "entropy_coef": a.entropy_coef, "temperature": cfg.rollout.temperature,
-        "ref_micro_batch": cfg.rollout.micro_batch_size,
         "correction": {"level": algo.is_correction_level, "mode": algo.is_correction_mode,
                        "gating": algo.is_correction_gating, "threshold": tuple(algo.is_correction_threshold)},
         "kl": {"coef": algo.kl_init_coef, "use_loss": algo.kl_use_loss, "estimator": algo.kl_estimator,
