@@ -204,6 +204,9 @@ class RolloutBatch:
             "rollout/tokens_aborted": stats["tokens_aborted"],
             "rollout/tokens_screened": stats["tokens_screened"],
             "rollout/wasted_fraction": 1 - accepted_tokens / max(1, stats["tokens"]),
+            # What the policy scores on the prompts it was given; reward/mean is the filtered batch's (DAPO's filter
+            # keeps groups whose scores vary: about 0.5 however good the policy is).
+            "rollout/score_all_mean": mean_score(self.finished),
             "rollout/time_to_batch_s": time.perf_counter() - self.start_time,
             "rollout/engine_load_max": max(loads),
             "rollout/engine_load_min": min(loads),
@@ -217,6 +220,12 @@ class RolloutBatch:
         for family, message in self.first_error.items():
             metrics[f"rollout/{family}_first_error"] = message
         return metrics
+
+
+def mean_score(records: list) -> float:
+    """The mean score of the finished groups' episodes, before the filter (0 without any)."""
+    scores = [ep.score for r in records for ep in r.episodes]
+    return sum(scores) / len(scores) if scores else 0.0
 
 
 def stop_rule(early_stop: bool, unbiased: bool, admission_margin: float, wave_size: int):

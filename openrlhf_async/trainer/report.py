@@ -88,6 +88,10 @@ def plot_learning(records: list, path: str):
                 color="C0", label=f"reward/mean (train, mean of {window} steps)")
     elif steps:
         ax.plot(steps, rewards, "o-", color="C0", markersize=4, label="reward/mean (train)")
+    all_steps, all_scores = series(records, "rollout/score_all_mean")
+    if all_steps:
+        ax.plot(all_steps, all_scores, ".-", color="C4", markersize=3, linewidth=1,
+                label="score of every finished group (train, before the filter)")
     mean_k = sample_counts(keys, "mean")
     evals = [("eval/accuracy", "s--", f"eval accuracy (mean@{mean_k[0]})" if mean_k else "eval accuracy")]
     evals += [(f"eval/pass@{k}", "^:", f"eval pass@{k}") for k in sample_counts(keys, "pass")]
