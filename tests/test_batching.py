@@ -74,3 +74,14 @@ def test_packed_and_chunked_log_probs_and_gradients_equal_the_padded_whole_logit
     assert (got[0] - reference[0]).abs().max() < 1e-5
     assert (got[1] - reference[1]).abs().max() < 1e-5
     assert (got[2] - reference[2]).norm() / reference[2].norm() < 1e-5
+
+
+def test_token_budgets_turn_packing_on_and_give_the_log_prob_passes_their_budget_as_openrlhf_does(capsys):
+    from openrlhf_async.config import preset_config, validate
+
+    cfg = validate(preset_config("tiny_cpu", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096"))
+    assert cfg.ds.packing_samples and cfg.rollout.max_tokens_per_gpu == 4096
+    assert "--train.dynamic_batch_enable turns on --ds.packing_samples" in capsys.readouterr().err
+    cfg = validate(preset_config("tiny_cpu", "--train.dynamic_batch_enable", "--ds.packing_samples",
+                                 "--rollout.max_tokens_per_gpu", "900"))
+    assert cfg.rollout.max_tokens_per_gpu == 900 and "packing" not in capsys.readouterr().err

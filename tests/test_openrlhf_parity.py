@@ -116,7 +116,6 @@ def test_flags_that_would_change_training_and_are_not_built_are_refused_in_one_l
     (["--ds.use_liger_kernel"], "--ds.use_liger_kernel True has no effect here: a speed/memory kernel"),
     (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2 has no effect here"),
     (["--critic.adam.lr", "1e-5"], "--critic.adam.lr 1e-05 has no effect here: no critic is trained"),
-    (["--ds.packing_samples"], "--ds.packing_samples True has no effect here: samples are padded"),
     (["--train.async_queue_size", "2"], "--train.async_queue_size 2 has no effect in --mode sync"),
     (["--train.async_enable", "--train.colocate_all", "--ds.enable_sleep"],
      "--ds.enable_sleep has no effect in the async modes"),

@@ -96,10 +96,15 @@ def test_openrlhfs_async_agent_script_passes_a_dry_run_with_notices_for_what_has
     proc = _run(cwd, [*flags, "--dry_run"], 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
-    for flag in ("--ds.packing_samples", "--train.dynamic_batch_enable", "--ds.ring_attn_size", "--ds.enable_sleep",
-                 "--ref.num_gpus_per_node", "importance-sampling correction icepop"):
+    for flag in ("--ds.ring_attn_size", "--ds.enable_sleep", "--ref.num_gpus_per_node",
+                 "importance-sampling correction icepop"):
         assert any(flag in line for line in notices), (flag, notices)
     report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])
+    # Its packed token-budget batches are built here: taken as they are, without a notice.
+    assert not any("packing" in line or "dynamic_batch" in line for line in notices), notices
+    config = report["config"]
+    assert config["ds"]["packing_samples"] and config["train"]["dynamic_batch_enable"]
+    assert (config["train"]["max_tokens_per_gpu"], config["rollout"]["max_tokens_per_gpu"]) == (16192, 32768)
     assert report["config"]["mode"] == "fully_async" and report["config"]["algo"]["is_correction_mode"] == "mask"
     assert report["datasets"]["train_rows"] == 8
 
