@@ -28,6 +28,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from openrlhf_async.trainer.batching import plan, sample_length  # noqa: E402
+
 
 def lengths(count: int, cap: int, seed: int) -> list:
     """(prompt, response) token counts."""
@@ -46,8 +48,6 @@ def make_samples(count: int, vocab: int, cap: int, seed: int) -> list:
 
 def computed_tokens(samples: list, per_rank: list, packed: bool) -> int:
     """Token positions the forward passes compute: packed rows hold the samples' own, padded rows their longest."""
-    from openrlhf_async.trainer.batching import sample_length
-
     sizes = [[sample_length(samples[i]) for i in b] for batches in per_rank for b in batches if b]
     return sum(sum(b) if packed else len(b) * max(b) for b in sizes)
 
@@ -108,7 +108,6 @@ def main() -> None:
 
     from openrlhf_async.config import default_cache_dir, preset_config, validate
     from openrlhf_async.models.gguf import hf_folder, is_gguf
-    from openrlhf_async.trainer.batching import plan, sample_length
     from openrlhf_async.trainer.policy import PolicyGroup, batching_settings, loss_settings
 
     cache = default_cache_dir()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+from openrlhf_async.data.synthetic import BUILTIN_TASKS
 from openrlhf_async.models.gguf import is_gguf
 
 
@@ -346,7 +347,7 @@ class DataConfig:
     builtin_task: str = setting("arithmetic", "the built-in task used without --data.prompt_dataset: arithmetic "
                                               "(\"57+8=\", for the embedded tiny model) or boxed_addition (\"What is "
                                               "3 + 5? Put your final answer within \\boxed{}.\", for a small chat "
-                                              "model)", choices=("arithmetic", "boxed_addition"))
+                                              "model)", choices=BUILTIN_TASKS)
     prompt_probs: Optional[str] = setting(None, "sampling probabilities of the comma-separated datasets (0.7,0.3)",
                                           type=str, openrlhf="same")
     prompt_split: str = setting("train", "dataset split (name@split overrides it)", openrlhf="same")

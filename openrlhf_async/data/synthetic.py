@@ -116,17 +116,22 @@ def write_arithmetic_dataset(
 
     ``n_train`` / ``n_eval`` default to every question of that split (~1620 / ~180 with default ranges).
     """
+    sizes = {"train": n_train, "eval": n_eval}
+    return _write_splits(out_dir, lambda split: make_arithmetic_rows(
+        split_size(split, a_range, b_range, ops) if sizes[split] is None else sizes[split], seed, split, a_range,
+        b_range, ops))
+
+
+def _write_splits(out_dir: str, rows_of) -> tuple[str, str]:
+    """Write rows_of("train") and rows_of("eval") as ``train.jsonl`` / ``eval.jsonl``, each whole or not at all
+    (written aside, then renamed); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for split, n in (("train", n_train), ("eval", n_eval)):
-        if n is None:
-            n = split_size(split, a_range, b_range, ops)
-        rows = make_arithmetic_rows(n, seed, split, a_range, b_range, ops)
+    for split in ("train", "eval"):
         path = os.path.join(out_dir, f"{split}.jsonl")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            f.writelines(json.dumps(row) + "\n" for row in rows_of(split))
         os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]
@@ -147,11 +152,4 @@ def write_builtin_task(task: str, out_dir: str) -> tuple[str, str]:
         return write_arithmetic_dataset(out_dir)
     if task != "boxed_addition":
         raise ValueError(f"unknown built-in task {task!r}; choose from {', '.join(BUILTIN_TASKS)}")
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for split in ("train", "eval"):
-        path = os.path.join(out_dir, f"{split}.jsonl")
-        with open(path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in boxed_addition_rows(split))
-        paths.append(path)
-    return paths[0], paths[1]
+    return _write_splits(out_dir, boxed_addition_rows)

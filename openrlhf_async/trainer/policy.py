@@ -205,9 +205,10 @@ class PolicyActor:
         agg = "seq-mean-token-mean" if loss_cfg["loss_type"] == "gspo" else agg
         share = dict(global_tokens=totals["tokens"], global_sequences=totals["sequences"])
         for k, micro in enumerate(micro_batches):
-            rows = self._targets(micro or [EMPTY_SAMPLE])
+            micro = micro or [EMPTY_SAMPLE]
+            rows = self._targets(micro)
             mask, adv = rows["mask"], rows["advantage"]
-            logp, entropy = self._logprobs(self.engine, micro or [EMPTY_SAMPLE], loss_cfg["temperature"], layout,
+            logp, entropy = self._logprobs(self.engine, micro, loss_cfg["temperature"], layout,
                                            entropy=loss_cfg["entropy_coef"] is not None)
             # The proximal policy (pi_old) the ratio is clipped against: the policy before the batch's first update
             # (recomputed, or the rollout's), or with a single update the current one (ratio 1, the clip idle).
@@ -365,8 +366,8 @@ class PolicyGroup:
         get_all([a.ready.remote() for a in self.actors])
         self.batching = batching_settings(cfg)
 
-    def _plan(self, samples: list, size: int, max_tokens) -> list:
-        """Per rank, its micro batches as lists of samples (batching.plan)."""
+    def _plan(self, samples: list, size: int, max_tokens) -> tuple:
+        """Per rank, its micro batches as lists of samples, and as lists of their indices (batching.plan)."""
         indices = plan(samples, len(self.actors), size, max_tokens, self.batching["packing"])
         return [[[samples[i] for i in batch] for batch in batches] for batches in indices], indices
 
