@@ -84,6 +84,9 @@ class ActorConfig:
     num_nodes: int = setting(1, "nodes of DeepSpeed trainer ranks", range=">= 1", openrlhf="same")
     num_gpus_per_node: int = setting(8, "DeepSpeed ranks per node (CPU processes when the device is cpu)",
                                      range=">= 1", openrlhf="same")
+    placement_strategy: str = setting("PACK", "how the trainer ranks' placement group ({GPU: 1, CPU: 1} per rank on "
+                                              "cuda) lays them on nodes: PACK (as few nodes as possible) or SPREAD",
+                                      choices=("PACK", "SPREAD"))
     proximal_policy: str = setting("recompute", "the policy the PPO ratio is clipped against (pi_old): recompute (the "
                                                 "weights before the batch's first update, recomputed by the trainer: "
                                                 "OpenRLHF's; with a single update per batch, the current weights) "
@@ -209,6 +212,20 @@ class VLLMConfig:
               "env OPENRLHF_ASYNC_NUM_TASKS overrides); none: 4 x --vllm.max_num_seqs, since a group holds its n "
               "slots until its longest sample ends, when as few as 40% of them may still be generating (vLLM "
               "queues what is beyond its batch)", type=int, range=">= 1")
+
+    max_num_engines: Optional[int] = setting(
+        None, "engines the run may grow to while it goes on, as the Ray cluster gains room for them (a node joins; on "
+              "a cluster with an autoscaler the engine waiting for room is the demand that adds one); none: "
+              "--vllm.num_engines, no growth", type=int, range=">= 1")
+    max_engine_restarts: int = setting(3, "engines started in place of dead ones (actor or node gone, or hung in a "
+                                          "weight sync) during a run; past it the run goes on with the live engines",
+                                       range=">= 0")
+    sync_timeout: float = setting(300.0, "seconds an engine may take to pause, join the weight-sync group or load a "
+                                         "broadcast before it is counted hung, killed and replaced", range="> 0")
+    cpus_per_engine: float = setting(0.0, "Ray CPUs one engine takes on cpu (its placement bundle); 0: none, so a "
+                                          "laptop fits every engine beside the trainer; on a CPU cluster give the "
+                                          "cores an engine uses, so engines spread and growth waits for room",
+                                     range=">= 0")
 
     def concurrency(self) -> int:
         """Episodes in flight per engine: OPENRLHF_ASYNC_NUM_TASKS, --vllm.max_concurrency, or 4 x max_num_seqs."""
@@ -536,6 +553,10 @@ class CkptConfig:
                                openrlhf="same")
     load_enable: bool = setting(False, "continue from the newest checkpoint in --ckpt.path when there is one (a new "
                                        "run otherwise); the run's records are cut back to its step", openrlhf="same")
+    max_auto_resumes: int = setting(3, "times a run restarts its trainer side (policy ranks, trainer, generator) "
+                                       "from the newest checkpoint by itself when a policy rank or the trainer dies, "
+                                       "keeping the engines; 0 or no checkpoint yet: the run stops with the error",
+                                    range=">= 0")
     max_num: int = setting(3, "resumable checkpoints kept; older ones are deleted", range=">= 1", openrlhf="same")
     max_mem: float = setting(math.inf, "disk budget of the checkpoints, in GB",
                              openrlhf="no effect: checkpoints are bounded by --ckpt.max_num")
@@ -926,6 +947,9 @@ def _validate_rollout(cfg: Config) -> None:
     if cfg.num_engines < 1:
         raise ConfigError(f"--vllm.num_engines {cfg.vllm.num_engines}: give at least 1 (generation always runs on "
                           "vLLM engines here)")
+    if cfg.vllm.max_num_engines is not None and cfg.vllm.max_num_engines < cfg.num_engines:
+        raise ConfigError(f"--vllm.max_num_engines {cfg.vllm.max_num_engines} is below --vllm.num_engines "
+                          f"{cfg.num_engines}: give at least as many, or leave it out for no growth")
     t = cfg.train
     per_step = r.batch_size * n * (t.require_batches if cfg.mode == "fully_async" else 1)
     if t.batch_size > per_step:

@@ -165,7 +165,7 @@ def test_screened_groups_are_dropped_as_flat_counted_and_cost_only_their_first_s
     assert m["rollout/tokens_screened"] == m["rollout/groups_screened"] * 2 * 4, "a screened group costs 2 samples"
     assert m["rollout/tokens_generated"] == (m["rollout/tokens_accepted"] + m["rollout/tokens_screened"]
                                              + m["rollout/tokens_aborted"])
-    assert flat_seen.count(True) == m["rollout/groups_screened"] and c.balancer.loads == [0]
+    assert flat_seen.count(True) == m["rollout/groups_screened"] and list(c.balancer.loads.values()) == [0]
     # Without screening the same flat groups cost all 4 samples each.
     _, plain = _controller([FakeEngine()], rollout=dict(n_samples_per_prompt=4)).run(_source(labels), target=3)
     assert plain["rollout/groups_screened"] == 0
@@ -186,14 +186,24 @@ def test_screening_judges_the_first_samples_by_the_configured_filter_rule():
 
 
 def test_balancer_sends_to_least_loaded_engine_under_capacity():
-    lb = LoadBalancer(3, capacity=8)
+    lb = LoadBalancer(range(3), capacity=8)
     assert [lb.acquire(4) for _ in range(3)] == [0, 1, 2]
     assert [lb.acquire(4) for _ in range(3)] == [0, 1, 2]
     assert lb.acquire(4) is None  # every engine is full
     lb.release(1, 4)
-    assert lb.acquire(2) == 1 and lb.loads == [8, 6, 8]
-    big = LoadBalancer(1, capacity=2)
+    assert lb.acquire(2) == 1 and lb.loads == {0: 8, 1: 6, 2: 8}
+    big = LoadBalancer([0], capacity=2)
     assert big.acquire(5) == 0  # a group larger than the capacity still runs, alone
+
+
+def test_balancer_takes_new_engines_and_never_chooses_a_dead_one_again():
+    lb = LoadBalancer([0, 1], capacity=8)
+    assert lb.acquire(8) == 0 and lb.acquire(8) == 1 and lb.acquire(8) is None
+    lb.mark_dead(0)
+    lb.release(0, 8)  # a late release of the dead engine's group changes nothing
+    lb.add(2)  # its replacement, with an id of its own
+    assert lb.acquire(8) == 2 and lb.acquire(8) is None and lb.live() == [1, 2]
+    assert lb.loads == {0: 0, 1: 8, 2: 8}
 
 
 def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
@@ -212,7 +222,7 @@ def test_early_stop_aborts_running_groups_and_keeps_fifo_order():
     aborted = set(engines[0].aborted + engines[1].aborted)
     assert aborted and not any(e.running for e in engines)
     assert started == list(range(len(started))), "groups did not start in prompt order"
-    assert c.balancer.loads == [0, 0]
+    assert list(c.balancer.loads.values()) == [0, 0]
 
 
 def test_at_most_vllm_generate_batch_size_run_at_once():
@@ -233,7 +243,7 @@ def test_at_most_vllm_generate_batch_size_run_at_once():
         return out
 
     groups, m = asyncio.run(run())
-    assert peak == 2 and m["rollout/groups_started"] <= 7 and c.balancer.loads == [0]
+    assert peak == 2 and m["rollout/groups_started"] <= 7 and list(c.balancer.loads.values()) == [0]
 
 
 def test_unbiased_early_stop_waits_for_long_groups_started_earlier():
@@ -262,7 +272,7 @@ def test_load_returns_to_zero_after_an_engine_failure():
     labels = [{"delay": 30, "scores": VALID}, {"raise": True}] + [{"delay": 30, "scores": VALID}] * 4
     with pytest.raises(RuntimeError, match="engine failed"):
         c.run(_source(labels), target=3)
-    assert c.balancer.loads == [0, 0] and not any(e.running for e in engines)
+    assert list(c.balancer.loads.values()) == [0, 0] and not any(e.running for e in engines)
     assert c.dead_engines == set(), "an error raised inside a live engine is no engine death"
 
 
@@ -287,7 +297,7 @@ def test_groups_of_an_engine_that_dies_restart_from_their_prompts_on_a_live_engi
     assert m["rollout/engine_failures"] == 1 and m["rollout/groups_rerouted"] == len(dying.started) == 2
     assert c.dead_engines == {1} and dying.calls_after_death == 0 and not dying.running
     assert dying.started == [1, 3] and live.started == [0, 2, 1, 3], "rerouted groups restart in start order"
-    assert c.balancer.loads == [0, 0]
+    assert list(c.balancer.loads.values()) == [0, 0]
     _, again = c.run(_source(labels), target=2)  # a later batch uses only the live engine
     assert again["rollout/engine_failures"] == 0 and dying.calls_after_death == 0
 
@@ -299,10 +309,55 @@ def test_when_every_engine_dies_the_rollout_stops_with_a_clear_error():
         engine.known_dead = lambda i=i: i in c.dead_engines
     with pytest.raises(RuntimeError, match="all 2 vLLM engines died; last error: ActorDiedError"):
         c.run(_source([{"delay": 1.0, "scores": VALID}] * 20), target=3)
-    assert c.dead_engines == {0, 1} and c.balancer.loads == [0, 0]
+    assert c.dead_engines == {0, 1} and list(c.balancer.loads.values()) == [0, 0]
     assert not any(e.calls_after_death for e in engines)
     with pytest.raises(RuntimeError, match="all 2 vLLM engines died"):  # and not a hang on the next batch
         c.run(_source([{"delay": 0.0, "scores": VALID}] * 4), target=1)
+
+
+class FakeFleet:
+    """What the controller asks an EngineFleet: its active engines, whether replacements are coming, and deaths. A
+    dead engine's replacement (spare; None: restarts used up) becomes active `delay` seconds later (its start and
+    catch-up sync), under an id of its own."""
+
+    def __init__(self, engines, spare=None, delay=0.3):
+        self.engines, self.spare, self.delay, self.reported, self.starting = dict(enumerate(engines)), spare, delay, [], 0
+
+    async def active(self):
+        return {i: LocalHandle(e) for i, e in self.engines.items()}
+
+    async def coming(self):
+        return self.starting
+
+    async def died(self, ids):
+        self.reported += ids
+        for i in ids:
+            self.engines.pop(i, None)
+        if self.spare is not None:
+            self.starting += 1
+            await asyncio.sleep(self.delay)
+            self.engines[100 + len(self.reported)] = self.spare
+            self.starting -= 1
+
+
+def test_with_a_fleet_the_rollout_waits_for_a_replacement_when_its_only_engine_dies():
+    dying, spare = DyingEngine(after_starts=2), FakeEngine()
+    fleet = FakeFleet([dying], spare)
+    c = _controller([], fleet=LocalHandle(fleet), rollout=dict(vllm_generate_batch_size=2))
+    dying.known_dead = lambda: 0 in c.dead_engines
+    groups, m = c.run(_source([{"delay": 0.2, "scores": VALID}] * 20), target=4)
+    assert fleet.reported == [0], "the death was reported to the fleet once"
+    assert sorted(g[0].prompt_ids[0] for g in groups) == [0, 1, 2, 3] and m["rollout/groups_rerouted"] == 2
+    assert spare.started[:2] == [0, 1], "the dead engine's groups restarted first, on the replacement"
+    assert dying.calls_after_death == 0 and list(c.balancer.loads.values()) == [0, 0]
+
+
+def test_with_a_fleet_that_has_no_replacement_left_the_rollout_stops_with_the_error():
+    dying = DyingEngine(after_starts=1)
+    c = _controller([], fleet=LocalHandle(FakeFleet([dying])))
+    dying.known_dead = lambda: 0 in c.dead_engines
+    with pytest.raises(RuntimeError, match="all 1 vLLM engines died"):
+        c.run(_source([{"delay": 0.2, "scores": VALID}] * 20), target=3)
 
 
 def test_too_many_agent_failures_stop_the_run_with_the_first_error():
@@ -358,7 +413,7 @@ def test_carry_over_hands_running_and_surplus_groups_to_the_next_batch():
     assert lengths == [40, 40], "the carried groups must run to the end and come first in the next batch"
     assert not engine.aborted
     stats = c.close()
-    assert c.carried == [] and c.balancer.loads == [0] and not engine.running
+    assert c.carried == [] and list(c.balancer.loads.values()) == [0] and not engine.running
     assert stats["aborted"] + len(g1) + len(g2) == m1["rollout/groups_started"] + m2["rollout/groups_started"]
 
 
@@ -383,7 +438,7 @@ def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted
     assert [g[0].prompt_ids[0] for g in g2] == [2, 3], "the carried groups, rerun if need be, come first"
     assert [len(g[0].response_ids) for g in g2] == [40, 40]
     c.close()
-    assert c.balancer.loads == [0, 0] and dying.calls_after_death == 0 and not live.running
+    assert list(c.balancer.loads.values()) == [0, 0] and dying.calls_after_death == 0 and not live.running
 
 
 def test_a_batch_that_cannot_fill_stops_with_a_clear_error():

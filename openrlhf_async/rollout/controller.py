@@ -8,6 +8,7 @@ engine; the dead engine is not used again."""
 
 import asyncio
 import itertools
+import time
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -18,17 +19,25 @@ from openrlhf_async.rollout.filter import GroupFilter
 
 
 class LoadBalancer:
-    """In-flight episodes per engine. A group goes to the least-loaded engine if it fits under that engine's
+    """In-flight episodes per engine id. A group goes to the least-loaded live engine if it fits under that engine's
     capacity (a group larger than the capacity still runs alone on an idle engine)."""
 
-    def __init__(self, num_engines: int, capacity: int):
-        self.loads, self.capacity = [0] * num_engines, capacity
+    def __init__(self, engine_ids, capacity: int):
+        self.loads, self.capacity = {i: 0 for i in engine_ids}, capacity
         self.dead = set()  # engines never chosen again; their load stays 0
-        self._samples = [0] * num_engines  # for the time-averaged load per engine
+        self._samples = dict.fromkeys(self.loads, 0)  # for the time-averaged load per engine
         self._events = 0
 
+    def add(self, engine: int) -> None:
+        """A new engine (a replacement, or growth) takes work from now on."""
+        if engine not in self.loads:
+            self.loads[engine], self._samples[engine] = 0, 0
+
+    def live(self) -> list:
+        return [i for i in self.loads if i not in self.dead]
+
     def acquire(self, amount: int) -> Optional[int]:
-        live = [i for i in range(len(self.loads)) if i not in self.dead]
+        live = self.live()
         if not live:
             return None
         engine = min(live, key=lambda i: (self.loads[i], i))
@@ -54,11 +63,12 @@ class LoadBalancer:
 
     def _sample(self):
         self._events += 1
-        for i, load in enumerate(self.loads):
+        for i, load in self.loads.items():
             self._samples[i] += load
 
     def mean_loads(self) -> list:
-        return [s / max(1, self._events) for s in self._samples]
+        """The time-averaged load of each live engine."""
+        return [self._samples[i] / max(1, self._events) for i in self.live()] or [0.0]
 
 
 class LocalHandle:
@@ -89,13 +99,16 @@ def turn_sampling(rollout, temperature: Optional[float] = None, top_p: Optional[
 
 class RolloutController:
     def __init__(self, cfg, engines: list, *, sampling: Optional[dict] = None, carry_over: bool = False,
-                 on_group: Optional[Callable] = None, wave_size: int = 0, abort_timeout: float = 60.0):
+                 on_group: Optional[Callable] = None, wave_size: int = 0, abort_timeout: float = 60.0,
+                 fleet=None, engine_wait_s: float = 1800.0):
         """cfg: the run's Config; its rollout, algo, agent, reward and vllm sections set the rollout.
         sampling: vLLM sampling parameters (None: --rollout.temperature, top_p, stop and stop_token_ids).
         carry_over (early stop only): groups still running when a batch is complete keep running and join the next
         batch (surplus valid groups too) instead of being aborted; their tokens may then span weight versions.
         on_group(prompt, flat) is called for each finished group; flat: its scores are all equal.
-        wave_size: without early stop, prompts per wave (0: the batch target; DAPO uses 3x)."""
+        wave_size: without early stop, prompts per wave (0: the batch target; DAPO uses 3x).
+        fleet: the run's EngineFleet actor (engines then None): its active engines are used, dead ones reported to it,
+        and when none is left the rollout waits up to engine_wait_s for the replacements it starts."""
         rollout = cfg.rollout
         self.engines, self.n, self.budget = engines, rollout.n_samples_per_prompt, cfg.budget
         self.sampling = turn_sampling(rollout) if sampling is None else sampling
@@ -111,16 +124,47 @@ class RolloutController:
         self.overlong = (cfg.reward.overlong_buffer_len or 0, cfg.reward.overlong_penalty_factor)
         self.error_ratios = {"agent": cfg.agent.max_error_ratio, "reward": cfg.reward.max_error_ratio}
         self.on_group, self.abort_timeout = on_group, abort_timeout
-        self.balancer = LoadBalancer(len(engines), cfg.vllm.concurrency())
+        self.engines = dict(enumerate(engines or ()))  # engine id -> handle
+        self.fleet, self.engine_wait_s, self._refreshed = fleet, engine_wait_s, 0.0
+        self.balancer = LoadBalancer(self.engines, cfg.vllm.concurrency())
         self._last_engine_error = None
 
     @property
     def dead_engines(self) -> set:
-        """Indices of the engines found dead (their actor gone); this controller never uses them again."""
+        """Ids of the engines found dead (their actor gone); this controller never uses them again."""
         return set(self.balancer.dead)
 
     def _all_dead_error(self) -> RuntimeError:
         return all_engines_dead(len(self.engines), self._last_engine_error)
+
+    async def _refresh(self, every_s: float = 1.0) -> None:
+        """Take the fleet's active engines: new ones (replacements, growth) join the balancer, and those it retired
+        (found dead by a weight sync) leave it. At most every every_s seconds."""
+        if self.fleet is None or time.monotonic() - self._refreshed < every_s:
+            return
+        active = await self.fleet.active.remote()
+        self._refreshed = time.monotonic()
+        for engine, handle in active.items():
+            if engine not in self.engines:
+                self.engines[engine] = handle
+                self.balancer.add(engine)
+        for engine in self.balancer.live():
+            if engine not in active:
+                self.balancer.mark_dead(engine)
+
+    async def _wait_for_engines(self) -> bool:
+        """No engine is live: wait for the fleet's replacements to take work. False when none is coming."""
+        if self.fleet is None:
+            return False
+        deadline = time.monotonic() + self.engine_wait_s
+        while time.monotonic() < deadline:
+            await self._refresh(every_s=0)
+            if self.balancer.live():
+                return True
+            if not await self.fleet.coming.remote():
+                return False
+            await asyncio.sleep(1.0)
+        return False
 
     def run(self, next_prompt: Callable[[], dict], target: int) -> tuple:
         """Collect `target` valid groups. next_prompt() -> {"prompt_ids", "label"} (and optionally "budget": the
@@ -129,8 +173,9 @@ class RolloutController:
         return asyncio.run(self.run_async(next_prompt, target))
 
     async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:
+        await self._refresh(every_s=0)
         dead_before = len(self.balancer.dead)
-        if dead_before == len(self.engines):
+        if not self.balancer.live() and not await self._wait_for_engines():
             raise self._all_dead_error()
         batch = RolloutBatch(target, self.n, self.stop_rule, self.filter, self.error_ratios, self.carried,
                              self.balancer.dead)
@@ -138,8 +183,14 @@ class RolloutController:
         try:
             chosen = batch.selected()  # carried-over groups alone may complete it
             while chosen is None:
+                await self._refresh()
                 self._launch(batch, next_prompt)
                 if not batch.pending:
+                    if self.balancer.live():
+                        break
+                    if await self._wait_for_engines():  # every engine died: their replacements may take over
+                        continue
+                    batch.fail(self._all_dead_error())
                     break
                 done, _ = await asyncio.wait(list(batch.pending), return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -209,11 +260,8 @@ class RolloutController:
             group = task.result()
         except Exception as e:
             if batch.failure is None and _engine_died(e):  # the engine actor is gone: run it elsewhere
-                self._last_engine_error = e
-                self.balancer.mark_dead(record.engine)
+                self._engine_died(record.engine, e)
                 batch.engine_died(record)
-                if len(self.balancer.dead) == len(self.engines):
-                    batch.fail(self._all_dead_error())
             else:  # an engine failed: stop, after cleaning up
                 batch.fail(e)
             return
@@ -221,6 +269,12 @@ class RolloutController:
         flat = batch.group_finished(record, group)
         if self.on_group is not None:
             self.on_group(record.prompt, flat)
+
+    def _engine_died(self, engine: int, error: BaseException) -> None:
+        self._last_engine_error = error
+        if engine not in self.balancer.dead and self.fleet is not None:
+            self.fleet.died.remote([engine])  # it starts a replacement
+        self.balancer.mark_dead(engine)
 
     def close(self) -> dict:
         """Drop the groups carried over for a batch that will never be asked for, aborting those still running.
@@ -255,8 +309,7 @@ class RolloutController:
             self.balancer.release(record.engine, self.n)
             stats["aborted"] += 1
             if task in done and not task.cancelled() and _engine_died(task.exception()):
-                self._last_engine_error = task.exception()
-                self.balancer.mark_dead(record.engine)
+                self._engine_died(record.engine, task.exception())
             elif task in done and not task.cancelled() and task.exception() is None:
                 tokens = group_tokens(task.result())
                 stats["tokens"] += tokens

@@ -185,30 +185,33 @@ class LLMRayActorAsync:
     async def abort(self, request_ids: list) -> None:
         await self.engine.abort(list(request_ids))
 
+    async def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                                     timeout_s: float):
+        await self.engine.collective_rpc("init_weight_sync_group",
+                                         args=(host, port, rank_offset, world_size, backend, timeout_s))
+
     async def pause(self, mode: str = "keep") -> None:
+        """Pause generation until resume(). A weight sync pauses every engine before any collective starts: "wait"
+        lets running requests finish on the old weights (a long drain inside the broadcast could trip the
+        collective's watchdog), "keep" freezes them (partial rollout)."""
+        self.timeline.begin("sync")
         await self.engine.pause_generation(mode=mode, clear_cache=False)
+
+    async def receive_weights(self, buckets: list, version: int) -> int:
+        """Load the weights trainer rank 0 broadcasts (the call blocks until every bucket arrived), with generation
+        paused (pause). Frozen requests' cached keys and values are dropped, so they continue wholly on the
+        new weights, and the tokens they generate from here on carry the new version. If the broadcast fails the
+        engine stays paused and keeps its old version: its weights may be half new, and only a complete broadcast
+        (the trainer retries) may let it generate again."""
+        await self.engine.collective_rpc("receive_weights", args=(buckets,))
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        self._mark_versions(version)
+        self.weight_version = version
+        return version
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
-
-    async def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str):
-        await self.engine.collective_rpc("init_weight_sync_group", args=(host, port, rank_offset, world_size, backend))
-
-    async def receive_weights(self, buckets: list, version: int, pause_mode: str = "wait") -> int:
-        """Load weights broadcast by trainer rank 0 (the call blocks until every bucket arrived), with generation
-        paused. pause_mode "wait" lets running requests finish on the old weights first; "keep" freezes them
-        (partial rollout): their cached keys and values are dropped, so they continue wholly on the new weights,
-        and the tokens they generate from here on carry the new version."""
-        with self.timeline.span("sync"):
-            await self.engine.pause_generation(mode=pause_mode, clear_cache=False)
-            try:
-                await self.engine.collective_rpc("receive_weights", args=(buckets,))
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
-                self._mark_versions(version)
-                self.weight_version = version
-            finally:
-                await self.engine.resume_generation()
-        return version
+        self.timeline.end("sync")
 
     async def read_weight(self, name: str):
         import torch
@@ -239,20 +242,32 @@ def engine_env(cfg) -> dict:
     return env
 
 
-def create_engines(cfg, model_path: str, wait: bool = True) -> list:
+def start_engine(cfg, model_path: str, engine_id: int, group):
+    """One engine actor in its placement group (fleet.engine_placement_group): the actor in bundle 0, and with tensor
+    parallel vLLM's Ray workers in the group's bundles (VLLM_RAY_BUNDLE_INDICES), so they never span nodes."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    actor_cls = ray.remote(LLMRayActorAsync)
-    engines = []
-    for i in range(cfg.num_engines):
-        # On CPU the engines take no Ray CPU slot: vLLM runs its own processes and a 2-core box must fit them all.
-        resources = {"num_gpus": 1 if cfg.device == "cuda" and cfg.vllm.tensor_parallel_size == 1 else 0,
-                     "num_cpus": 0}
-        engines.append(
-            actor_cls.options(**resources, runtime_env={"env_vars": engine_env(cfg)}).remote(
-                model_path, i, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
-                seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer)
-        )
+    tp, env = cfg.vllm.tensor_parallel_size, engine_env(cfg)
+    if tp > 1:
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(tp))
+    # On CPU an engine takes --vllm.cpus_per_engine (0 by default: vLLM runs its own processes and a 2-core box must
+    # fit them all); on cuda with tensor parallel its workers take the GPUs.
+    resources = {"num_gpus": 1 if cfg.device == "cuda" and tp == 1 else 0,
+                 "num_cpus": cfg.vllm.cpus_per_engine if cfg.device == "cpu" else 0}
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                placement_group_capture_child_tasks=True)
+    return ray.remote(LLMRayActorAsync).options(**resources, scheduling_strategy=strategy,
+                                                runtime_env={"env_vars": env}).remote(
+        model_path, engine_id, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
+        seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer)
+
+
+def create_engines(cfg, model_path: str, wait: bool = True) -> list:
+    """--vllm.num_engines engines, each in its own placement group (a fixed set: runs use an EngineFleet)."""
+    from openrlhf_async.rollout.fleet import engine_placement_group
+
+    engines = [start_engine(cfg, model_path, i, engine_placement_group(cfg)) for i in range(cfg.num_engines)]
     if wait:
         get_all([e.ready.remote() for e in engines])
     return engines

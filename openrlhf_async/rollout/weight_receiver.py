@@ -17,14 +17,36 @@ def unflatten(buffer: torch.Tensor, bucket: list):
         offset += numel
 
 
-class WeightReceiver:
-    def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str):
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+def open_sync_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+    """A process group of its own (outside torch.distributed's default one) for the weight broadcast, whose
+    rendezvous and collectives give up after timeout_s: a member that died or hangs makes the others fail in time,
+    never wait for ever. Returns (group, its rendezvous store), both kept by the caller: rank 0 (the trainer) serves
+    the store."""
+    from datetime import timedelta
 
+    from torch.distributed import PrefixStore, TCPStore
+    from vllm.distributed.utils import init_gloo_process_group
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    prefix = PrefixStore("weight_sync", store)
+    if backend == "gloo":
+        group = init_gloo_process_group(prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout)
+    else:
+        from vllm.platforms import current_platform
+
+        group = current_platform.stateless_init_device_torch_dist_pg(
+            backend=backend, prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout)
+    return group, store  # the store must outlive the rendezvous (rank 0 serves it)
+
+
+class WeightReceiver:
+    def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                               timeout_s: float):
         rank = rank_offset + self.rank  # self.rank: this worker's rank inside its engine (tensor parallel)
-        self._weight_sync_group = stateless_init_torch_distributed_process_group(
-            host, port, rank, world_size, backend=backend
-        )
+        self._weight_sync_group = None  # a group of earlier members is left behind
+        self._weight_sync_group, self._weight_sync_store = open_sync_group(host, port, rank, world_size, backend,
+                                                                           timeout_s)
 
     def receive_weights(self, buckets: list):
         """Receive the broadcast buckets in order, streaming them into vLLM's weight loader."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_async.trainer.staleness import StalenessPolicy, version_report
+from openrlhf_async.utils.ray_utils import on_this_node
 from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
@@ -81,14 +82,16 @@ def _live_version(engines: list) -> int:
     return min(live_versions(engines).values())
 
 
-def _get(queue, stopped: threading.Event):
+def _get(queue, stopped: threading.Event, idle=None):
+    """The next queue item, or None if asked to stop meanwhile; idle() is called while waiting."""
     from ray.util.queue import Empty
 
     while not stopped.is_set():
         try:
             return queue.get(timeout=0.5)
         except Empty:
-            pass
+            if idle is not None:
+                idle()
     return None
 
 
@@ -98,14 +101,15 @@ class GenerateSamplesActor:
     the data stands: started groups whose outcome is not in a batch yet (carried over) are not used up. It also
     says which prompts' groups came out flat (all rewards equal), for --rollout.skip_flat_prompts."""
 
-    def __init__(self, cfg, engines: list, prompts: list, queue, data_position: dict = None):
+    def __init__(self, cfg, engines: list, prompts: list, queue, data_position: dict = None, fleet=None):
+        """engines: a fixed list of engines, or None with fleet: the run's EngineFleet actor."""
         from openrlhf_async.data.prompts import PromptSampler
         from openrlhf_async.rollout.controller import RolloutController
 
-        self.cfg, self.engines, self.queue = cfg, engines, queue
+        self.cfg, self.engines, self.queue, self.fleet = cfg, engines, queue, fleet
         self.staleness = StalenessPolicy.from_config(cfg)
         self.controller = RolloutController(cfg, engines, carry_over=self.staleness.carry_over,
-                                            on_group=self._group_done)
+                                            on_group=self._group_done, fleet=fleet)
         self.sampler = PromptSampler(prompts, cfg.train.seed, skip_flat=cfg.rollout.skip_flat_prompts,
                                      **(data_position or {}))
         self._outcomes = []  # (dataset row, flat) of the groups finished in the batch being made
@@ -114,6 +118,12 @@ class GenerateSamplesActor:
 
     def stop(self) -> None:
         self.stopped.set()
+
+    def _engine_version(self) -> int:
+        """The weight version the engines hold: the fleet's newest sync, or the oldest a live engine reports."""
+        import ray
+
+        return ray.get(self.fleet.weight_version.remote()) if self.fleet is not None else _live_version(self.engines)
 
     def _group_done(self, prompt: dict, flat: bool) -> None:
         self._outcomes.append((prompt["id"], flat))
@@ -151,11 +161,11 @@ class GenerateSamplesActor:
 
     def run(self, num_items: int) -> dict:
         start = time.time()
-        base = _live_version(self.engines)  # the engines' version when training starts (0 unless synced before)
+        base = self._engine_version()  # the engines' version when training starts (0 unless synced before)
         try:
             for index in range(num_items):
                 with self.timeline.span("wait"):  # until the staleness bound lets this batch start
-                    while not self.staleness.may_produce(index, _live_version(self.engines) - base):
+                    while not self.staleness.may_produce(index, self._engine_version() - base):
                         if self.stopped.wait(0.02):
                             return {"items": index, "stopped": True}
                 version = base + self.staleness.trained_version(index)
@@ -244,7 +254,7 @@ class TrainingActor:
         """The step's --train.require_batches items off the queue; None when asked to stop."""
         items = []
         for _ in range(self.cfg.train.require_batches):
-            item = _get(self.queue, self.stopped)
+            item = _get(self.queue, self.stopped, idle=self._catch_up)
             if item is None:
                 return None
             if item == END:
@@ -252,6 +262,12 @@ class TrainingActor:
                                    f"{self.cfg.train.max_steps}")
             items.append(item)
         return items
+
+    def _catch_up(self) -> None:
+        """While waiting for a batch: engines that joined the fleet (replacements, growth) get the current weights
+        now, so they take work before the next sync."""
+        with self.timeline.span("sync"):
+            self.weight_sync.catch_up()
 
     def _step(self, items: list) -> dict:
         """One optimizer step on a batch's groups; returns the step's training, rollout and staleness figures. The
@@ -307,7 +323,17 @@ class TrainingActor:
         return {"trainer/idle_ratio": wait / max(1e-9, wait + train + sync), "queue/depth": depth,
                 "timing/wait_s": wait, "timing/train_s": train, "timing/sync_s": sync,
                 "weight_version": self.weight_sync.version, "engine_weight_version": self.weight_sync.engine_version,
-                "rollout/engines_alive": len(self.weight_sync.engines)}
+                "rollout/engines_alive": len(self.weight_sync.engines), **self._fleet_metrics()}
+
+    def _fleet_metrics(self) -> dict:
+        """The fleet's figures (engines alive, starting, died, replaced, added, the last time to replace one) and the
+        engines a weight sync left out."""
+        import ray
+
+        fleet = self.weight_sync.fleet
+        figures = ray.get(fleet.metrics.remote()) if fleet is not None else {}
+        return {**{k: v for k, v in figures.items() if v is not None},
+                "engines/sync_dropped": self.weight_sync.engines_dropped}
 
     def _evaluate(self):
         from openrlhf_async.trainer.evaluate import evaluate
@@ -372,11 +398,12 @@ class PPOTrainerAsync:
 
         self.cfg = cfg
         self.first_step = resumed["step"] + 1 if resumed else 1
-        self.queue = Queue(maxsize=cfg.queue_size, actor_options={"num_cpus": 0})
-        self.metrics_queue = Queue(actor_options={"num_cpus": 0})
-        options = {"num_cpus": 0, "max_concurrency": 2}  # run() blocks; stop() must still get through
+        here = on_this_node()  # a node lost takes engines or ranks with it, never the run's control
+        self.queue = Queue(maxsize=cfg.queue_size, actor_options=here)
+        self.metrics_queue = Queue(actor_options=here)
+        options = {**here, "max_concurrency": 2}  # run() blocks; stop() must still get through
         self.generator = ray.remote(GenerateSamplesActor).options(**options).remote(
-            cfg, engines, train_prompts, self.queue, resumed and resumed["data_position"])
+            cfg, engines, train_prompts, self.queue, resumed and resumed["data_position"], weight_sync.fleet)
         self.trainer = ray.remote(TrainingActor).options(**options).remote(
             cfg, policy, weight_sync, self.queue, self.metrics_queue, eval_prompts, len(train_prompts),
             resumed, stand_in_train_s)

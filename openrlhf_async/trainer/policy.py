@@ -29,6 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _node_address() -> tuple:
+    """(node id, IP, a free port) of the node this runs on."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), free_port()
+
+
 class _CompletedWork:
     """What a synchronous collective hands back where the caller asked for an asynchronous one."""
 
@@ -288,25 +295,34 @@ class PolicyActor:
         dtype = str(next(self.engine.module.parameters()).dtype).replace("torch.", "")
         return [(n, dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()]
 
-    def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         if self.rank != 0:
             return
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        from openrlhf_async.rollout.weight_receiver import open_sync_group
 
-        self.sync_group = stateless_init_torch_distributed_process_group(host, port, 0, world_size, backend=backend)
+        self.sync_group = None  # a group of earlier members is left behind
+        self.sync_group, self.sync_store = open_sync_group(host, port, 0, world_size, backend, timeout_s)
 
-    def broadcast_weights(self, buckets: list) -> None:
-        """Gather each bucket's parameters (collective over the ZeRO-3 ranks) and broadcast them from rank 0."""
+    def broadcast_weights(self, buckets: list) -> bool:
+        """Gather each bucket's parameters (collective over the ZeRO-3 ranks) and broadcast them from rank 0.
+        Returns whether every broadcast went through: when one fails (an engine died or hangs), rank 0 stops
+        broadcasting but keeps gathering with the other ranks, so the trainer's own collectives stay in step."""
         import deepspeed
 
-        params = dict(self.engine.module.named_parameters())
+        params, ok = dict(self.engine.module.named_parameters()), True
         with self.timeline.span("sync"):
             for bucket in buckets:
                 tensors = [params[name] for name, _, _ in bucket]
                 with deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
-                    if self.rank == 0:
+                    if self.rank == 0 and ok:
                         flat = torch.cat([t.data.reshape(-1) for t in tensors])
-                        self.sync_group.broadcast(flat, root=0).wait()
+                        try:
+                            self.sync_group.broadcast(flat, root=0).wait()
+                        except Exception as e:  # the group is broken: the trainer drops its bad members and retries
+                            print(f"weight broadcast failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                                  flush=True)
+                            ok = False
+        return ok
 
     def read_weight(self, name: str) -> torch.Tensor:
         import deepspeed
@@ -351,20 +367,47 @@ class PolicyGroup:
     def __init__(self, cfg, model_path: str):
         import ray
 
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         actor_cls = ray.remote(PolicyActor)
         world = cfg.actor.world_size
-        master_addr, master_port = ray.util.get_node_ip_address(), free_port()
+        # The ranks in one placement group, a bundle each (as OpenRLHF and veRL place them); Ray refuses an empty
+        # bundle, so on cpu a rank's bundle holds a token share of a CPU.
+        bundle = {"GPU": 1, "CPU": 1} if cfg.device == "cuda" else {"CPU": 0.001}
+        self.group = placement_group([bundle] * world, strategy=cfg.actor.placement_strategy)
+        ray.get(self.group.ready())
+
+        def in_bundle(rank: int) -> dict:
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
+            return {"scheduling_strategy": strategy}
+
+        # The rendezvous address and a free port are taken on rank 0's own node: Ray may place it on any node.
+        self.rendezvous = ray.get(ray.remote(_node_address).options(num_cpus=0, **in_bundle(0)).remote())
+        _, master_addr, master_port = self.rendezvous
         opts = {"num_gpus": 1, "num_cpus": 0} if cfg.device == "cuda" else {"num_cpus": 0}
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))} if cfg.device == "cpu" else {}
         kwargs = dict(backend=cfg.backend, ds=ds_settings(cfg), seed=cfg.train.seed,
                       reference=cfg.algo.kl_init_coef > 0, optim=optimizer_settings(cfg), model=model_settings(cfg))
         self.actors = [
-            actor_cls.options(**opts, runtime_env={"env_vars": env}).remote(
+            actor_cls.options(**opts, **in_bundle(rank), runtime_env={"env_vars": env}).remote(
                 rank, world, master_addr, master_port, model_path, **kwargs)
             for rank in range(world)
         ]
         get_all([a.ready.remote() for a in self.actors])
         self.batching = batching_settings(cfg)
+
+    def shutdown(self) -> None:
+        """Kill the ranks and free their placement (a trainer that restarts after a rank died)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        remove_placement_group(self.group)
 
     def _plan(self, samples: list, size: int, max_tokens) -> tuple:
         """Per rank, its micro batches as lists of samples, and as lists of their indices (batching.plan)."""

