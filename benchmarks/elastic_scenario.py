@@ -74,7 +74,6 @@ def main() -> int:
         victims = [n for n in engine_nodes if n != cluster.head and n not in {r["node_id"] for r in ranks}]
         victim = victims[0]
         killed_step = max(seen)
-        t_kill = time.time()
         cluster.kill_node(victim)
         cluster.add_node(1)  # the replacement's room
         replaced = record_where(lambda r: r["step"] > killed_step and r.get("engines/replaced", 0) >= 1

@@ -27,6 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FAULTS = ("engine_kill", "agent_hang", "node_kill", "node_add", "reward_restart", "policy_kill")
 
+REWARD = '''
+async def reward_func(queries, prompts, labels, **kwargs):
+    """1 when the response holds the label (the tiny model answers digits)."""
+    rewards = [float(str(label) in query[len(prompt):]) for query, prompt, label in zip(queries, prompts, labels)]
+    return {"rewards": rewards}
+'''
+
 AGENT = '''
 import asyncio
 import os
@@ -36,7 +43,7 @@ async def step(state, action, label):
     """One turn; hangs (the run's --agent.step_timeout ends it) while the soak's flag file exists."""
     if os.path.exists({flag!r}):
         await asyncio.sleep(3600)
-    return float(action.strip().startswith(str(label))), state + action, True, {{}}
+    return 0.0, state + action, True, {{}}  # the reward service scores the episode
 '''
 
 
@@ -49,17 +56,18 @@ def free_port() -> int:
 
 
 class RewardService:
-    """cli/reward_server.py as a process of its own on a fixed port, restartable."""
+    """cli/reward_server.py serving a reward_func file, as a process of its own on a fixed port, restartable."""
 
-    def __init__(self, port: int):
-        self.port, self.proc = port, None
+    def __init__(self, port: int, func_path: str):
+        self.port, self.func_path, self.proc = port, func_path, None
         self.start()
 
     def start(self) -> None:
         from openrlhf_async.utils.local_cluster import wait_for
 
         self.proc = subprocess.Popen([sys.executable, "-m", "openrlhf_async.cli.reward_server", "--port",
-                                      str(self.port), "--workers", "1"], stdout=subprocess.DEVNULL,
+                                      str(self.port), "--workers", "1", "--reward.func_path", self.func_path],
+                                     stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         wait_for(self._up, 60, "the reward service to listen", poll_s=0.2)
 
@@ -87,7 +95,8 @@ def run_argv(model: str, out: str, name: str, steps: int, agent: str, reward_url
             "--vllm.sync_timeout", "30", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
             "--train.batch_size", "16", "--rollout.vllm_generate_batch_size", "8", "--train.max_steps", str(steps),
             "--eval.steps", "-1", "--ckpt.save_steps", "2", "--ckpt.max_auto_resumes", "100",
-            "--agent.func_path", agent, "--agent.step_timeout", "2", "--agent.max_error_ratio", "1.0",
+            "--no-algo.dynamic_filtering_enable",  # robustness, not learning: the warm tiny model makes flat groups
+            "--train.agent_func_path", agent, "--agent.step_timeout", "2", "--agent.max_error_ratio", "1.0",
             "--reward.remote_url", reward_url, "--reward.timeout", "5", "--reward.max_error_ratio", "1.0",
             "--runs_dir", os.path.join(out, "runs"), "--run_name", name, "--no-progress"]
 
@@ -154,12 +163,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=None, help="the faulted run's length (default 15; quick 3)")
     parser.add_argument("--interval", type=float, default=None, help="seconds between faults (default 60; quick 25)")
     parser.add_argument("--baseline_steps", type=int, default=None, help="steps of the run without faults "
-                                                                         "(default 30; quick 10)")
+                                                                         "(default 100; quick 30)")
     parser.add_argument("--out", default=None, help="folder of the runs (default: a temporary one)")
     args = parser.parse_args()
     minutes = args.minutes or (3.0 if args.quick else 15.0)
     interval = args.interval or (25.0 if args.quick else 60.0)
-    baseline_steps = args.baseline_steps or (10 if args.quick else 30)
+    baseline_steps = args.baseline_steps or (30 if args.quick else 100)
 
     from openrlhf_async.config import default_cache_dir
     from openrlhf_async.models.tiny import build_tiny_model
@@ -168,12 +177,16 @@ def main() -> int:
     t0 = time.time()
     model = build_tiny_model(default_cache_dir())
     out = args.out or tempfile.mkdtemp(prefix="soak-")
+    os.makedirs(out, exist_ok=True)
     flag = os.path.join(out, "hang_agent")
     agent = os.path.join(out, "hanging_agent.py")
     with open(agent, "w") as f:
         f.write(AGENT.format(flag=flag))
     watch = ProcessWatch()
-    reward = RewardService(free_port())
+    reward_file = os.path.join(out, "reward.py")
+    with open(reward_file, "w") as f:
+        f.write(REWARD)
+    reward = RewardService(free_port(), reward_file)
     reward_url = f"http://127.0.0.1:{reward.port}/score"
     cluster = LocalCluster(head_cpus=1, node_cpus=(1, 1, 1))
     result, faults = {}, []
@@ -223,8 +236,7 @@ def main() -> int:
                 fault["survived"] = code == 0 and steps_done == planned
         with open(os.path.join(run_dir, "used_prompts.jsonl")) as f:
             used = [json.loads(line) for line in f]
-        ids = [i for u in used for i in u["prompt_ids"]]
-        positions = sorted(p for u in used for p in u["positions"])
+        positions = sorted(p for u in used for p in u["positions"])  # in the prompt stream (epoch after epoch)
         last = records[-1] if records else {}
         result = {
             "faults_injected": len(faults),
@@ -234,7 +246,7 @@ def main() -> int:
             "steps_done": steps_done,
             "steps_planned": planned,
             "exit_code": code,
-            "prompts_duplicated": len(ids) - len(set(ids)),
+            "prompts_duplicated": len(positions) - len(set(positions)),
             "prompts_skipped": (positions[-1] + 1 - len(set(positions))) if positions else 0,
             "engines_replaced": last.get("engines/replaced"),
             "engines_alive_at_end": last.get("engines/alive"),

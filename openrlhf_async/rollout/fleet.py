@@ -157,7 +157,9 @@ class EngineFleet:
                     slot.state, slot.ready = "joining", None
                 except Exception:
                     self.died([engine_id])
-        if len(self.slots) >= self.max_engines:
+        # Growth adds max_engines - num_engines engines at most: a dead engine past the restarts is not refilled.
+        grown = self.counts["engines/added"]
+        if grown >= self.max_engines - self.cfg.num_engines or len(self.slots) >= self.max_engines:
             return
         if self.waiting_group is None:
             self.waiting_group = engine_placement_group(self.cfg)
