@@ -2,15 +2,15 @@
 
 1. the head (trainer side) and two 1-CPU nodes; 2 engines of 1 CPU each (--vllm.cpus_per_engine 1), growth up to 3
    (--vllm.max_num_engines 3): the engines land on the two nodes that have room, the third waits for room;
-2. after step 3, the node of an engine (not the head, no trainer rank) is killed mid-rollout: its groups are
-   rerouted, and its replacement takes the place that was waiting for room;
-3. a node is added: the replacement starts there, catches up to the trainer's weights and version, and takes work;
-4. another node is added: the run grows onto it (a third engine);
+2. after step 3, the node of an engine (not the head, no trainer rank) is killed while that engine has requests in
+   flight: its groups are rerouted, and its replacement takes the place that was waiting for room;
+3. two nodes are added: the replacement starts on one, catches up to the trainer's weights and version, and takes
+   work; the run grows onto the other (a third engine, the same way);
 5. the run finishes its steps.
 
 Prints the step times before the kill, between the kill and the replacement taking work, and after the growth, the
 time to replace, and the run's prompt accounting (stream positions used twice, and unused), as one JSON line. tests/test_elastic.py runs it; run it yourself:
-    python benchmarks/elastic_scenario.py --steps 300
+    python benchmarks/elastic_scenario.py --steps 600
 """
 
 import argparse
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="the run's --train.max_steps")
+    parser.add_argument("--steps", type=int, default=600, help="the run's --train.max_steps")
     parser.add_argument("--out", default=None, help="folder of the run (default: a temporary one)")
     args = parser.parse_args()
 
@@ -72,18 +72,19 @@ def main() -> int:
         engine_nodes = {a["node_id"] for a in engines}
         result["engine_nodes_at_start"] = len(engine_nodes)
         victims = [n for n in engine_nodes if n != cluster.head and n not in {r["node_id"] for r in ranks}]
-        victim = victims[0]
+        # Mid-rollout: the moment its engine has requests in flight.
+        victim = wait_for(lambda: set(victims) & cluster.busy_engine_nodes(), 120, "the engine to be busy",
+                          poll_s=0.05).pop()
         killed_step = max(seen)
         cluster.kill_node(victim)
-        cluster.add_node(1)  # the replacement's room
-        replaced = record_where(lambda r: r["step"] > killed_step and r.get("engines/replaced", 0) >= 1
-                                and r["engines/alive"] >= 2, "the replacement to take work")
+        cluster.add_node(1)  # the replacement's room (it takes the place that was waiting for room)
+        cluster.add_node(1)  # room to grow onto: both engines start side by side
+        replaced = record_where(lambda r: r["step"] > killed_step and r.get("engines/replace_s") is not None,
+                                "the replacement to take work")
         result["replace_s"] = replaced["engines/replace_s"]
         result["replaced_by_step"] = replaced["step"]
         result["rerouted_groups"] = sum(r.get("rollout/groups_rerouted", 0) for r in read_steps(run_dir))
-        grow_at = max(seen)
-        cluster.add_node(1)  # room to grow onto
-        grown = record_where(lambda r: r["step"] > grow_at and r["engines/alive"] >= 3, "the run to grow")
+        grown = record_where(lambda r: r["step"] > killed_step and r["engines/alive"] >= 3, "the run to grow")
         result["grown_by_step"] = grown["step"]
         def finished():
             for record in read_steps(run_dir):
@@ -95,6 +96,7 @@ def main() -> int:
         records = read_steps(run_dir)
         result["steps_done"] = max(r["step"] for r in records)
         result["engines_at_end"] = records[-1]["engines/alive"]
+        result["engines_died"] = records[-1]["engines/died"]
 
         def mean_step_s(first: int, last: int):
             times = [seen[s] for s in range(first, last + 1) if s in seen]
@@ -102,7 +104,7 @@ def main() -> int:
 
         result["step_s_before"] = mean_step_s(1, killed_step)
         result["step_s_during"] = mean_step_s(killed_step, replaced["step"])
-        result["step_s_after"] = mean_step_s(grown["step"], result["steps_done"])
+        result["step_s_after"] = mean_step_s(max(grown["step"], replaced["step"]), result["steps_done"])
         with open(os.path.join(run_dir, "used_prompts.jsonl")) as f:
             used = [json.loads(line) for line in f]
         # Positions in the prompt stream (the run goes through the data several times): each used once at most.

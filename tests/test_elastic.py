@@ -145,30 +145,29 @@ def test_a_policy_rank_killed_mid_run_restarts_the_trainer_from_its_checkpoint_b
     assert [m["step"] for m in metrics] == steps, "the records do not continue the same curve"  # no eval set
     assert [m["weight_version"] for m in metrics] == steps
     used = _records(run_dir / "used_prompts.jsonl")
-    ids = [i for u in used for i in u["prompt_ids"]]
-    positions = sorted(p for u in used for p in u["positions"])
-    print(f"rank killed after step {killed_after}; resumed from step {resumed_from}; {len(ids)} prompts used")
+    positions = sorted(p for u in used for p in u["positions"])  # the stream goes through the 400 prompts again
+    print(f"rank killed after step {killed_after}; resumed from step {resumed_from}; {len(positions)} prompts used")
     assert [u["step"] for u in used] == steps
-    assert len(set(ids)) == len(ids), "a prompt was trained twice"
-    assert positions == list(range(len(positions))), "the prompt stream has a gap"
+    assert positions == list(range(len(positions))), "a prompt was trained twice, or the stream has a gap"
 
 
-@pytest.mark.timeout(900)  # about 3 minutes here: three engine starts and 300 steps
+@pytest.mark.timeout(900)  # about 4 minutes here: four engine starts and 600 steps
 def test_a_node_lost_mid_rollout_is_replaced_on_a_new_node_and_the_run_grows_onto_another(tmp_path):
-    """benchmarks/elastic_scenario.py on a simulated 3-node cluster: a node with an engine is killed at step 3, a node
-    is added (the replacement starts there, catches up and takes work), another node is added (the run grows onto a
-    third engine), and the run finishes its steps with every prompt used once."""
+    """benchmarks/elastic_scenario.py on a simulated 3-node cluster: a node is killed while its engine has requests in
+    flight (its groups restart elsewhere), two nodes are added (the replacement starts on one, catches up and takes
+    work; the run grows onto the other), and the run finishes its steps with every prompt used once."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                           "elastic_scenario.py")
-    done = subprocess.run([sys.executable, script, "--steps", "300", "--out", str(tmp_path)], capture_output=True,
+    done = subprocess.run([sys.executable, script, "--steps", "600", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=880, env={**os.environ, "RAY_ADDRESS": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     print(result)
     assert result["engine_nodes_at_start"] == 2
-    assert result["exit_code"] == 0 and result["steps_done"] == 300
+    assert result["exit_code"] == 0 and result["steps_done"] == 600
+    assert result["engines_died"] == 1
     assert result["rerouted_groups"] > 0, "the lost node's running groups were not restarted elsewhere"
-    assert result["replaced_by_step"] < result["grown_by_step"] <= 300 and result["engines_at_end"] == 3
+    assert max(result["replaced_by_step"], result["grown_by_step"]) < 600 and result["engines_at_end"] == 3
     assert result["prompts_duplicated"] == 0 and result["prompts_unused_before_last_16"] == 0
     assert result["leftover_processes"] == 0
 

@@ -197,7 +197,10 @@ class _ListQueue:
 
 
 class _Sync:
-    engines, version, engine_version = [], 0, 0
+    engines, version, engine_version, fleet, engines_dropped = [], 0, 0, None, 0
+
+    def catch_up(self):
+        return 0
 
     def sync(self, pause_mode):
         self.version = self.engine_version = self.version + 1

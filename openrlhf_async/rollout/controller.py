@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from openrlhf_async.reward.shaping import shape_rewards
 from openrlhf_async.rollout.batch import RolloutBatch, StartedGroup, State, awaited, group_tokens, stop_rule
-from openrlhf_async.rollout.engine import _engine_died, all_engines_dead
+from openrlhf_async.rollout.engine import _engine_died, all_engines_dead, raising, submit
 from openrlhf_async.rollout.filter import GroupFilter
 
 
@@ -245,9 +245,9 @@ class RolloutController:
         record.group_id, record.engine = f"g{next(_group_ids)}", engine
         # At least one token: a prompt that leaves no room is vLLM's to refuse, with its own error.
         record.budget = prompt.get("budget") or max(1, self.budget(len(prompt["prompt_ids"])))
-        record.call = self.engines[engine].generate_group.remote(
-            prompt["prompt_ids"], prompt["label"], self.n, self.sampling, record.group_id, record.budget,
-            self.agent_path, self.screen_samples, self.filter)
+        call = submit(self.engines[engine], "generate_group", prompt["prompt_ids"], prompt["label"], self.n,
+                      self.sampling, record.group_id, record.budget, self.agent_path, self.screen_samples, self.filter)
+        record.call = raising(call) if isinstance(call, Exception) else call  # a refused call: its engine died
         batch.watch(record)
 
     def _collect(self, batch: RolloutBatch, task) -> None:
@@ -301,7 +301,8 @@ class RolloutController:
         for record in groups.values():
             if record.engine not in self.balancer.dead:  # a call to a dead actor only raises
                 by_engine.setdefault(record.engine, []).append(record.group_id)
-        aborts = [awaited(self.engines[e].abort_groups.remote(ids)) for e, ids in by_engine.items()]
+        calls = [submit(self.engines[e], "abort_groups", ids) for e, ids in by_engine.items()]
+        aborts = [raising(c) if isinstance(c, Exception) else awaited(c) for c in calls]
         await asyncio.gather(*aborts, return_exceptions=True)  # an engine that died here shows in its groups
         done, not_done = await asyncio.wait(list(groups), timeout=self.abort_timeout)
         for task, record in groups.items():

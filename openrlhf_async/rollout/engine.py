@@ -6,6 +6,7 @@ episodes and their scoring live in group_runner.py; `generate_group` hands them 
 
 import asyncio
 import os
+import uuid
 
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
@@ -230,7 +231,25 @@ def _engine_died(error) -> bool:
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
     except ImportError:  # no Ray: local engines cannot die apart from the caller
         return False
+    if type(error) is Exception and "Can't find actor" in str(error):  # a call to a killed actor, refused by Ray
+        return True
     return isinstance(error, (RayActorError, ActorUnavailableError)) and not isinstance(error, RayTaskError)
+
+
+def submit(handle, method: str, *args):
+    """handle.method.remote(*args), or the error when Ray refuses the call because the actor is gone (it raises at
+    submission for an actor killed meanwhile): callers treat it as the call's failure."""
+    try:
+        return getattr(handle, method).remote(*args)
+    except Exception as e:
+        if not _engine_died(e):
+            raise
+        return e
+
+
+async def raising(error: BaseException):
+    """An awaitable that fails with error (a refused call, for code that awaits calls)."""
+    raise error
 
 
 def engine_env(cfg) -> dict:
@@ -257,7 +276,9 @@ def start_engine(cfg, model_path: str, engine_id: int, group):
                  "num_cpus": cfg.vllm.cpus_per_engine if cfg.device == "cpu" else 0}
     strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                 placement_group_capture_child_tasks=True)
-    return ray.remote(LLMRayActorAsync).options(**resources, scheduling_strategy=strategy,
+    # Named, so an operator (or a fault injector) can find it: `ray list actors`, ray.util.list_named_actors().
+    name = f"openrlhf_async-engine-{engine_id}-{uuid.uuid4().hex[:8]}"
+    return ray.remote(LLMRayActorAsync).options(**resources, scheduling_strategy=strategy, name=name,
                                                 runtime_env={"env_vars": env}).remote(
         model_path, engine_id, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
         seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer)
@@ -279,10 +300,12 @@ def live_versions(engines: list, timeout_s: float = 60.0) -> dict:
 
     # Imported here: the controller imports this module.
 
-    refs = [e.get_weight_version.remote() for e in engines]
+    refs = [submit(e, "get_weight_version") for e in engines]
     versions, error = {}, None
     for i, ref in enumerate(refs):
         try:
+            if isinstance(ref, Exception):
+                raise ref
             versions[i] = ray.get(ref, timeout=timeout_s)
         except Exception as e:
             if not _engine_died(e):

@@ -363,11 +363,13 @@ class TrainingActor:
         """Every actor's spans since the last step; an actor that died meanwhile has none."""
         import ray
 
+        from openrlhf_async.rollout.engine import submit
+
         spans = self.timeline.take() + [span for item in items for span in item.spans]
-        for ref in [a.take_spans.remote() for a in self.weight_sync.engines + self.policy.actors]:
+        for ref in [submit(a, "take_spans") for a in self.weight_sync.engines + self.policy.actors]:
             try:
                 spans += ray.get(ref, timeout=30)
-            except Exception:
+            except Exception:  # the actor died meanwhile (or Ray refused the call: an error in place of the ref)
                 pass
         return spans
 

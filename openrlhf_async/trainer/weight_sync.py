@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from openrlhf_async.rollout.engine import submit
+
 
 def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
     """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
@@ -107,7 +109,7 @@ class WeightSync:
                            "engine to blame; see the engines' logs")
 
     def _call(self, members: dict, method: str, *args) -> list:
-        return _outcomes([getattr(e, method).remote(*args) for e in members.values()], self.timeout)
+        return _outcomes([submit(e, method, *args) for e in members.values()], self.timeout)
 
     def _keep(self, members: dict, outcomes: list) -> dict:
         """The members whose call went through; the others are dropped."""
@@ -142,7 +144,7 @@ class WeightSync:
             host, port = ray.get(rank0.weight_sync_address.remote())
             world = 1 + len(members) * self.tp
             refs = [rank0.init_weight_sync_group.remote(host, port, world, self.backend, self.timeout)] + [
-                e.init_weight_sync_group.remote(host, port, 1 + k * self.tp, world, self.backend, self.timeout)
+                submit(e, "init_weight_sync_group", host, port, 1 + k * self.tp, world, self.backend, self.timeout)
                 for k, e in enumerate(members.values())]
             outcomes = _outcomes(refs, self.timeout + 10)
             (kind, error), engines = outcomes[0], outcomes[1:]
@@ -162,7 +164,7 @@ class WeightSync:
         """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
         part (rank 0 says whether its broadcasts went through); engines that died or hang are dropped."""
         refs = self.policy.call("broadcast_weights", self.buckets) + [
-            e.receive_weights.remote(self.buckets, version) for e in members.values()]
+            submit(e, "receive_weights", self.buckets, version) for e in members.values()]
         outcomes = _outcomes(refs, self.timeout + 10)
         ranks, engines = outcomes[: len(self.policy.actors)], outcomes[len(self.policy.actors):]
         for kind, error in ranks:
@@ -178,16 +180,20 @@ class WeightSync:
 
 
 def _outcomes(refs: list, timeout_s: float) -> list:
-    """Each call's (kind, value): ("ok", result), ("died", error) when its actor is gone, ("error", error) when it
-    raised, ("hung", None) when it did not finish within timeout_s."""
+    """Each call's (kind, value): ("ok", result), ("died", error) when its actor is gone (or Ray refused the call:
+    an error in place of the ref), ("error", error) when it raised, ("hung", None) when it did not finish within
+    timeout_s."""
     import ray
 
     from openrlhf_async.rollout.engine import _engine_died
 
-    done = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    calls = [r for r in refs if not isinstance(r, Exception)]
+    done = set(ray.wait(calls, num_returns=len(calls), timeout=timeout_s)[0]) if calls else set()
     out = []
     for ref in refs:
-        if ref not in done:
+        if isinstance(ref, Exception):
+            out.append(("died", ref))
+        elif ref not in done:
             out.append(("hung", None))
             continue
         try:

@@ -53,6 +53,23 @@ class LocalCluster:
         return [{"actor_id": a["ActorID"], "node_id": a["Address"]["NodeID"], "pid": a["Pid"]}
                 for a in sorted(found, key=lambda a: a.get("StartTime", 0))]
 
+    def busy_engine_nodes(self) -> set:
+        """Nodes of the engines that have requests in flight right now."""
+        import ray
+
+        busy = set()
+        for name in ray.util.list_named_actors():
+            if not name.startswith("openrlhf_async-engine-"):
+                continue
+            try:
+                engine = ray.get_actor(name)
+                if ray.get(engine.__ray_call__.remote(lambda actor: len(actor.in_flight)), timeout=5):
+                    busy.add(ray.get(engine.__ray_call__.remote(
+                        lambda actor: ray.get_runtime_context().get_node_id()), timeout=5))
+            except Exception:  # gone meanwhile
+                pass
+        return busy
+
     def kill_actor(self, class_name: str, index: int = 0) -> dict:
         """SIGKILL one live actor's process (and its children), as the OOM killer would."""
         actor = self.actors(class_name)[index]
