@@ -72,9 +72,9 @@ def model_folder(model: str, cache: str, tiny: dict) -> str:
         from openrlhf_async.models.tiny import build_tiny_model
 
         return build_tiny_model(cache, **tiny)
-    if model.lower().endswith(".gguf"):
-        from openrlhf_async.models.gguf import hf_folder
+    from openrlhf_async.models.gguf import hf_folder, is_gguf
 
+    if is_gguf(model):
         if not os.path.isfile(model):
             sys.exit(f"{model} is missing: run `make smollm2` first, or pass --model")
         return hf_folder(model, cache)

