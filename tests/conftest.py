@@ -46,6 +46,13 @@ def unfinished(engine) -> dict:
                        "actor": len(actor.in_flight)}))
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that start a Ray of their own (CLI runs, clusters of their own) run first, before the session's shared
+    engines and policy exist: a real-model run beside them pushed the 24 GiB machine past Ray's memory threshold, and
+    Ray's memory monitor then killed actors of both. Within each part the files keep their order (a stable sort)."""
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     from openrlhf_async.config import default_cache_dir
