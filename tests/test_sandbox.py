@@ -87,6 +87,24 @@ print(open("data/y.txt").read(), os.listdir("data"), os.environ["HOME"] == os.ge
     assert result["stdout"] == "kept ['y.txt'] True 3\n"
 
 
+def test_an_interpreter_installed_under_tmp_runs_sandboxed_code_too(tmp_path):
+    """A virtualenv under /tmp (CI runners, notebooks): the sandbox's /tmp must not clash with the interpreter's
+    folder bound there; code writes in its working folder (TMPDIR), as anywhere."""
+    import site
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    assert str(venv).startswith("/tmp/")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
+    probe = ("from openrlhf_async.agent.sandbox import run_python\n"
+             "r = run_python('import os, tempfile\\nwith tempfile.NamedTemporaryFile() as f: print(os.path.dirname("
+             "f.name) == os.getcwd())')\n"
+             "print(r['exit_code'], r['stdout'].strip(), r['stderr'][-300:])")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([here, *site.getsitepackages()])})
+    assert out.stdout.split()[:2] == ["0", "True"], out.stdout + out.stderr[-2000:]
+
+
 def test_the_code_runs_as_an_unprivileged_user_without_capabilities():
     result = run("""
         import ctypes, os

@@ -322,7 +322,8 @@ def _bwrap_command(fds: list, disk_bytes: int) -> list:
             command += ["--ro-bind", top, top]
     for path in ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"):
         command += ["--ro-bind-try", path, path]
-    for path in _python_dirs():
+    python_dirs = _python_dirs()
+    for path in python_dirs:
         parents = [os.path.dirname(path)]
         while parents[-1] != "/":
             parents.append(os.path.dirname(parents[-1]))
@@ -330,8 +331,10 @@ def _bwrap_command(fds: list, disk_bytes: int) -> list:
             command += ["--perms", "0755", "--dir", parent]
         command += ["--ro-bind", path, path]
     command += ["--proc", "/proc", "--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", ROOT,
-                "--file", str(code_fd), f"{ROOT}/main.py", "--symlink", ROOT, "/tmp",
-                "--remount-ro", "/dev", "--remount-ro", "/",  # the only writable place left is the tmpfs
+                "--file", str(code_fd), f"{ROOT}/main.py"]
+    if not any(d == "/tmp" or d.startswith("/tmp/") for d in python_dirs):
+        command += ["--symlink", ROOT, "/tmp"]  # else /tmp holds the interpreter's folder, read-only; TMPDIR is ROOT
+    command += ["--remount-ro", "/dev", "--remount-ro", "/",  # the only writable place left is the tmpfs
                 "--chdir", ROOT, "--clearenv"]
     for name, value in _env(ROOT).items():
         command += ["--setenv", name, value]
