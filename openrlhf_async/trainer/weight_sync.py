@@ -111,9 +111,9 @@ class WeightSync:
     def _call(self, members: dict, method: str, *args) -> list:
         return _outcomes([submit(e, method, *args) for e in members.values()], self.timeout)
 
-    def _keep(self, members: dict, outcomes: list) -> dict:
-        """The members whose call went through; the others are dropped."""
-        bad = [i for i, (kind, _) in zip(list(members), outcomes) if kind != "ok"]
+    def _keep(self, members: dict, outcomes: list, bad_kinds=("died", "hung", "error")) -> dict:
+        """The members whose call's outcome (in members' order) is not of bad_kinds; the others are dropped."""
+        bad = [i for i, (kind, _) in zip(list(members), outcomes) if kind in bad_kinds]
         self._drop(members, bad)
         return {i: e for i, e in members.items() if i not in bad}
 
@@ -150,14 +150,13 @@ class WeightSync:
             (kind, error), engines = outcomes[0], outcomes[1:]
             if kind == "hung" or kind == "died":
                 raise RuntimeError(f"trainer rank 0 could not form the weight-sync group: {kind} {error or ''}")
-            bad = [i for i, (k, _) in zip(list(members), engines) if k in ("died", "hung")]
-            self._drop(members, bad)
-            members = {i: e for i, e in members.items() if i not in bad}
+            kept = self._keep(members, engines, ("died", "hung"))
             if kind == "ok" and all(k == "ok" for k, _ in engines):
-                self.grouped = set(members)
-                return members
-            if not bad:
+                self.grouped = set(kept)
+                return kept
+            if len(kept) == len(members):  # no engine to blame: trying again would fail the same way
                 raise RuntimeError(f"the weight-sync group could not be formed: {error or engines}")
+            members = kept
         raise RuntimeError(f"the weight-sync group could not be formed in {self.attempts} tries")
 
     def _send(self, members: dict, version: int) -> tuple:
@@ -170,13 +169,11 @@ class WeightSync:
         for kind, error in ranks:
             if kind != "ok":
                 raise error if error is not None else TimeoutError("a trainer rank hangs in the weight broadcast")
-        bad = [i for i, (kind, _) in zip(list(members), engines) if kind in ("died", "hung")]
-        self._drop(members, bad)
-        got = {i: e for (i, e), (kind, _) in zip(members.items(), engines) if kind == "ok"}
-        complete = ranks[0][1] and len(got) == len(members) - len(bad)
+        kept = self._keep(members, engines, ("died", "hung"))
+        complete = ranks[0][1] and not any(kind == "error" for kind, _ in engines)
         if not complete:
             self.grouped = None
-        return ({i: e for i, e in members.items() if i not in bad}, complete)
+        return kept, complete
 
 
 def _outcomes(refs: list, timeout_s: float) -> list:
@@ -193,7 +190,8 @@ def _outcomes(refs: list, timeout_s: float) -> list:
     for ref in refs:
         if isinstance(ref, Exception):
             out.append(("died", ref))
-        elif ref not in done:
+            continue
+        if ref not in done:
             out.append(("hung", None))
             continue
         try:
