@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cap", type=int, default=512, help="largest length budget")
     parser.add_argument("--flat_fraction", type=float, default=0.4, help="share of groups with equal rewards")
     parser.add_argument("--vllm_generate_batch_size", type=int, default=0,
-                        help="ours: groups in flight (0: 2 x target)")
+                        help="ours: groups in flight (0: 4 x target, enough to keep the engines' batches full "
+                             "through each batch's long tail; BENCHMARKS.md)")
     parser.add_argument("--admission_margin", type=float, default=0.0,
                         help="ours_abort: extra groups in flight beyond the expected need")
     parser.add_argument("--max_num_seqs", type=int, default=256, help="sequences each engine decodes at once")
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
 
     cfg.vllm.max_num_seqs = args.max_num_seqs
     cfg.rollout.admission_margin = args.admission_margin
-    cfg.rollout.vllm_generate_batch_size = args.vllm_generate_batch_size or 2 * args.target
+    cfg.rollout.vllm_generate_batch_size = args.vllm_generate_batch_size or 4 * args.target
     validate(cfg)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
