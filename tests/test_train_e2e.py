@@ -29,11 +29,18 @@ def _no_run_outlives_its_test():
         proc = _started.pop()
         if proc.poll() is None:
             with contextlib.suppress(psutil.Error):
-                for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        p.kill()
+                _kill([proc, *psutil.Process(proc.pid).children(recursive=True)])
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.communicate(timeout=60)
+
+
+def _kill(processes) -> None:
+    """SIGKILL each (Popen or psutil.Process), the ones gone already left alone."""
+    import psutil
+
+    for p in processes:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            p.kill()
 
 
 def _command(tmp_path, model_path, name, *flags):
@@ -238,9 +245,7 @@ def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
         _, alive = psutil.wait_procs(descendants, timeout=0)
-        for p in [proc, *alive]:  # the run's processes may hold its stderr open
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                p.kill()
+        _kill([proc, *alive])  # the run's processes may hold its stderr open
         _, err = proc.communicate(timeout=30)
         raise AssertionError(f"not exited 60 s after SIGINT; still running: {[p.pid for p in alive]}\n{err[-6000:]}")
     _, alive = psutil.wait_procs(descendants, timeout=max(1.0, 30 - (time.time() - interrupted_at)))
