@@ -352,6 +352,26 @@ def test_with_a_fleet_the_rollout_waits_for_a_replacement_when_its_only_engine_d
     assert dying.calls_after_death == 0 and list(c.balancer.loads.values()) == [0, 0]
 
 
+def test_groups_on_an_engine_the_fleet_retires_restart_at_once_even_if_its_calls_never_answer():
+    """A weight sync found the engine dead (its node lost) and the fleet retired it, but calls already made to it
+    hang: the rollout restarts its groups elsewhere at its next look at the fleet, rather than waiting on them."""
+    class Hanging(FakeEngine):
+        async def generate_group(self, prompt_ids, label, *args):
+            self.started.append(prompt_ids[0])
+            if len(self.started) == 2:
+                fleet.engines.pop(0)
+            await asyncio.Event().wait()
+
+    hanging, healthy = Hanging(), FakeEngine()
+    fleet = FakeFleet([hanging, healthy])
+    c = _controller([], fleet=LocalHandle(fleet))
+    groups, m = c.run(_source([{"delay": 0.6, "scores": VALID}] * 20), target=6)
+    assert hanging.started == [0, 2] and m["rollout/groups_rerouted"] == 2
+    assert sorted(g[0].prompt_ids[0] for g in groups) == [0, 1, 2, 3, 4, 5], "the retired engine's groups were lost"
+    assert healthy.started[4:6] == [0, 2], "its groups restarted before any new prompt"
+    assert c.dead_engines == {0} and fleet.reported == []
+
+
 def test_with_a_fleet_that_has_no_replacement_left_the_rollout_stops_with_the_error():
     dying = DyingEngine(after_starts=1)
     c = _controller([], fleet=LocalHandle(FakeFleet([dying])))

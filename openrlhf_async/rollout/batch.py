@@ -116,11 +116,11 @@ class RolloutBatch:
         self.finished.append(record)
         return screened or self.filter.flat(scores)
 
-    def engine_died(self, record: StartedGroup) -> None:
-        """The record's engine is gone: it and the engine's other running groups restart elsewhere (their calls
-        would fail anyway)."""
-        moved = [record] + [r for r in self.pending.values() if r.engine == record.engine]
-        for task in [t for t, r in self.pending.items() if r.engine == record.engine]:
+    def engine_died(self, engine: int, record: Optional[StartedGroup] = None) -> None:
+        """The engine is gone: its running groups (and the record whose call failed, if any) restart elsewhere
+        (their calls would fail anyway)."""
+        moved = ([record] if record is not None else []) + [r for r in self.pending.values() if r.engine == engine]
+        for task in [t for t, r in self.pending.items() if r.engine == engine]:
             _discard(task)
             del self.pending[task]
         for r in moved:

@@ -137,20 +137,21 @@ class RolloutController:
     def _all_dead_error(self) -> RuntimeError:
         return all_engines_dead(len(self.engines), self._last_engine_error)
 
-    async def _refresh(self, every_s: float = 1.0) -> None:
+    async def _refresh(self, every_s: float = 1.0) -> list:
         """Take the fleet's active engines: new ones (replacements, growth) join the balancer, and those it retired
-        (found dead by a weight sync) leave it. At most every every_s seconds."""
+        (found dead by a weight sync) leave it. At most every every_s seconds. Returns the engines it retired."""
         if self.fleet is None or time.monotonic() - self._refreshed < every_s:
-            return
+            return []
         active = await self.fleet.active.remote()
         self._refreshed = time.monotonic()
         for engine, handle in active.items():
             if engine not in self.engines:
                 self.engines[engine] = handle
                 self.balancer.add(engine)
-        for engine in self.balancer.live():
-            if engine not in active:
-                self.balancer.mark_dead(engine)
+        retired = [engine for engine in self.balancer.live() if engine not in active]
+        for engine in retired:
+            self.balancer.mark_dead(engine)
+        return retired
 
     async def _wait_for_engines(self) -> bool:
         """No engine is live: wait for the fleet's replacements to take work. False when none is coming."""
@@ -183,7 +184,8 @@ class RolloutController:
         try:
             chosen = batch.selected()  # carried-over groups alone may complete it
             while chosen is None:
-                await self._refresh()
+                for engine in await self._refresh():  # its groups restart now: a call to it may never answer
+                    batch.engine_died(engine)
                 self._launch(batch, next_prompt)
                 if not batch.pending:
                     if self.balancer.live():
@@ -261,7 +263,7 @@ class RolloutController:
         except Exception as e:
             if batch.failure is None and _engine_died(e):  # the engine actor is gone: run it elsewhere
                 self._engine_died(record.engine, e)
-                batch.engine_died(record)
+                batch.engine_died(record.engine, record)
             else:  # an engine failed: stop, after cleaning up
                 batch.fail(e)
             return
