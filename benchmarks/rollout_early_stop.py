@@ -101,7 +101,6 @@ def setup(num_prompts: int, n: int, median: float, sigma: float, cap: int, flat_
     cfg = preset_config("tiny_cpu")
     cfg.actor.model_name_or_path = model_path  # the tiny model's 1024 positions, not the default's 256
     cfg.device, cfg.vllm.num_engines = "cpu", engines
-    cfg.vllm.worker_in_engine_core = True  # the model in vLLM's engine core (off by default for now: README)
     cfg.vllm.cpu_kvcache_space_gib = int(os.environ["VLLM_CPU_KVCACHE_SPACE"])
     cfg.data.max_len = cap + max(len(p) for p in prompt_ids) + 8
     cfg.rollout.max_new_tokens, cfg.rollout.n_samples_per_prompt = cap, n

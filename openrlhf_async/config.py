@@ -206,11 +206,11 @@ class VLLMConfig:
     gpu_memory_utilization: float = setting(0.95, "share of GPU memory a vLLM engine may take", range="(0, 1]",
                                             openrlhf="same")
     worker_in_engine_core: bool = setting(
-        False, "run the model in vLLM's engine-core process (vLLM's own choice on GPUs) rather than in a worker process "
-               "of its own; vLLM-CPU's default is the second process, and on a small machine the two busy-wait on "
-               "each other's cores (1.35x the rollout's tokens/s on 2 cores, BENCHMARKS.md). Off by default for now: "
-               "with it on, full test-suite runs met shutdown and node-loss races not yet explained (README). "
-               "Tensor-parallel engines run their workers under Ray either way")
+        True, "run the model in vLLM's engine-core process (vLLM's own choice on GPUs) rather than in a worker process "
+              "of its own; vLLM-CPU's default is the second process, and on a small machine the two busy-wait on "
+              "each other's cores (1.35x the rollout's tokens/s on 2 cores, BENCHMARKS.md); "
+              "--no-vllm.worker_in_engine_core gives vLLM-CPU's layout back. Tensor-parallel engines run their workers "
+              "under Ray either way")
     cpu_kvcache_space_gib: int = setting(1, "KV cache per engine on cpu, in GiB (VLLM_CPU_KVCACHE_SPACE)")
     max_num_seqs: int = setting(256, "sequences one vLLM engine batches at once", range=">= 1")
     max_concurrency: Optional[int] = setting(
