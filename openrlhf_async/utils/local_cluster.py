@@ -45,18 +45,12 @@ class LocalCluster:
         """The node goes at once (its raylet and everything on it killed), as a preempted machine. Ray kills the
         raylet alone; its workers (an engine actor and vLLM's processes) would run on for a moment, long enough to
         answer calls in flight, so they are killed with it."""
-        import psutil
         from ray._private import ray_constants
 
         node = self.nodes.pop(node_id)
-        raylets = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
-        tree = [c for pid in raylets if psutil.pid_exists(pid) for c in psutil.Process(pid).children(recursive=True)]
-        for process in tree:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.cluster.remove_node(node, allow_graceful=False)
+        for raylet in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            _signal_tree(raylet.process.pid, signal.SIGKILL)
+        self.cluster.remove_node(node, allow_graceful=False)  # the rest; it passes over processes already gone
 
     def actors(self, class_name: str) -> list:
         """The live actors of a class: [{"actor_id", "node_id", "pid"}], oldest first."""
