@@ -25,6 +25,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from openrlhf_async.utils.ports import free_port  # noqa: E402
+
 FAULTS = ("engine_kill", "agent_hang", "node_kill", "node_add", "reward_restart", "policy_kill")
 
 REWARD = '''
@@ -45,14 +47,6 @@ async def step(state, action, label):
         await asyncio.sleep(3600)
     return 0.0, state + action, True, {{}}  # the reward service scores the episode
 '''
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RewardService:

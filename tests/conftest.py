@@ -2,9 +2,10 @@
 Engine start dominates test time (15-20 s each), so they are started once and shared."""
 
 import os
-import socket
 
 import pytest
+
+from openrlhf_async.utils.ports import free_port  # noqa: F401 (tests import it: `from conftest import free_port`)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,13 +21,6 @@ def tokenized_prompts(model_path: str, n: int, seed: int) -> list:
 
     rows = make_arithmetic_rows(n, seed=seed, split="train")
     return tokenize_prompts(AutoTokenizer.from_pretrained(model_path), rows, apply_chat_template=True)
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now (tests import it: `from conftest import free_port`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def action_ranges(mask: list) -> list:

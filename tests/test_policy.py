@@ -207,3 +207,19 @@ def test_the_clip_acts_from_the_second_mini_batch_update_against_the_recomputed_
     bypass = policy.train_batch(samples, 4, loss_settings(stack_cfg, clip=(0.2, 0.2), proximal="rollout"),
                                 mini_batch_size=8, epochs=1)
     assert bypass["updates"] == 1 and bypass["clip_ratio"] > 0
+
+
+def test_rendezvous_ports_are_free_and_outside_the_range_outbound_connections_take_ports_from():
+    """A rank's TCPStore binds its port seconds after it was chosen; a port from the kernel's ephemeral range can be
+    taken meanwhile as the source port of any outbound connection (a CI run failed with EADDRINUSE so)."""
+    import socket
+
+    from openrlhf_async.utils.ports import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # not one fixed number that two runs on a machine would both take
+    for port in ports:
+        assert 20000 <= port < low, (port, low, high)
+        with socket.socket() as s:
+            s.bind(("", port))  # free to listen on

@@ -5,7 +5,6 @@ Rank 0 also owns the sender side of the weight-sync group into the vLLM engines.
 
 import math
 import os
-import socket
 
 import torch
 
@@ -17,16 +16,11 @@ from openrlhf_async.trainer.losses import (
     policy_loss,
     token_logprobs,
 )
+from openrlhf_async.utils.ports import free_port
 from openrlhf_async.utils.ray_utils import get_all
 from openrlhf_async.utils.timeline import Timeline
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _node_address() -> tuple:
