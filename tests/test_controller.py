@@ -526,6 +526,26 @@ def test_carry_over_keeps_every_allowed_group_in_flight_and_the_balancer_counts_
     _, full = filled.run(_source(labels), 2)
     filled.close()
     assert alone["rollout/groups_started"] == 2 and full["rollout/groups_started"] == 8
+    # Near a run's end no more are started than the batches left will use: with one batch of 2 to follow (and no
+    # rate seen yet, so one valid in one), 2 for this batch and 2 for the next.
+    ending = _controller([FakeEngine()], rollout=dict(vllm_generate_batch_size=8), algo=NO_FILTER, carry_over=True)
+    _, one_more = ending.run(_source(labels), 2, remaining=1)
+    ending.close()
+    assert one_more["rollout/groups_started"] == 4
+    # A run's last batch starts only what it needs: no batch follows to use the rest; the groups it carried in run on.
+    ending = _controller([FakeEngine()], rollout=dict(vllm_generate_batch_size=8), algo=NO_FILTER, carry_over=True)
+
+    async def a_full_batch_then_the_last():
+        source = _source(labels)
+        await ending.run_async(source, 2)
+        carried = len(ending.carried)
+        _, last = await ending.run_async(source, 2, remaining=0)
+        return carried, last
+
+    carried_in, last = asyncio.run(a_full_batch_then_the_last())
+    stats = ending.close()
+    assert carried_in == 6 and last["rollout/groups_carried_in"] == 6 and last["rollout/groups_started"] == 0
+    assert stats["aborted"] == 4  # the carried groups the last batch did not use, and nothing else
     # The engine's capacity: 4 x --vllm.max_num_seqs by default, the flag, or OPENRLHF_ASYNC_NUM_TASKS over both.
     vllm = preset_config(validated=False).vllm
     assert config_with(preset_config(validated=False), vllm={"max_num_seqs": 16}).vllm.concurrency() == 64

@@ -8,6 +8,7 @@ engine; the dead engine is not used again."""
 
 import asyncio
 import itertools
+import math
 import time
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -128,6 +129,7 @@ class RolloutController:
         self.fleet, self.engine_wait_s, self._refreshed = fleet, engine_wait_s, 0.0
         self.balancer = LoadBalancer(self.engines, cfg.vllm.concurrency())
         self._last_engine_error = None
+        self.groups_finished = self.groups_valid = 0  # over the controller's life: the valid rate of later batches
 
     @property
     def dead_engines(self) -> set:
@@ -167,13 +169,17 @@ class RolloutController:
             await asyncio.sleep(1.0)
         return False
 
-    def run(self, next_prompt: Callable[[], dict], target: int) -> tuple:
+    def run(self, next_prompt: Callable[[], dict], target: int, remaining: Optional[int] = None) -> tuple:
         """Collect `target` valid groups. next_prompt() -> {"prompt_ids", "label"} (and optionally "budget": the
         group's token budget, or one per sample) is called once per started group, in order.
+        remaining: batches of `target` the run will ask for after this one (None: no end in sight). With carry over
+        the engines are kept full with groups for later batches, but with no more of them than those batches are
+        expected to use at the valid rate seen so far: a group started for a batch never asked for is aborted
+        unused when the run ends (close()).
         Returns (groups, metrics); each episode's reward is set (its raw reward plus shaping)."""
-        return asyncio.run(self.run_async(next_prompt, target))
+        return asyncio.run(self.run_async(next_prompt, target, remaining))
 
-    async def run_async(self, next_prompt: Callable[[], dict], target: int) -> tuple:
+    async def run_async(self, next_prompt: Callable[[], dict], target: int, remaining: Optional[int] = None) -> tuple:
         await self._refresh(every_s=0)
         dead_before = len(self.balancer.dead)
         if not self.balancer.live() and not await self._wait_for_engines():
@@ -186,7 +192,7 @@ class RolloutController:
             while chosen is None:
                 for engine in await self._refresh():  # its groups restart now: a call to it may never answer
                     batch.engine_died(engine)
-                self._launch(batch, next_prompt)
+                self._launch(batch, next_prompt, self._later_need(target, remaining))
                 if not batch.pending:
                     if self.balancer.live():
                         break
@@ -220,17 +226,29 @@ class RolloutController:
             raise failure
         return [r.episodes for r in chosen], metrics
 
-    def _launch(self, batch: RolloutBatch, next_prompt: Callable[[], dict]) -> None:
+    def _later_need(self, target: int, remaining: Optional[int]) -> float:
+        """Groups worth starting now for later batches: none without carry over (the stop rule's need alone), as
+        many as the engines hold with no end in sight, else what `remaining` batches of `target` are expected to use
+        at the valid rate of the groups finished so far (prior: one valid in one)."""
+        if not self.carry_over:
+            return 0
+        if remaining is None:
+            return math.inf
+        return math.ceil(remaining * target * (self.groups_finished + 1) / (self.groups_valid + 1))
+
+    def _launch(self, batch: RolloutBatch, next_prompt: Callable[[], dict], later_need: float) -> None:
         """Restart the groups whose engine died (admitted already, they only wait for room on a live engine), then
-        start new prompts while the stop rule wants more in flight and an engine has room."""
+        start new prompts while an engine has room and the groups in flight are fewer than the stop rule wants for
+        this batch plus later_need."""
         while batch.reroute and len(batch.pending) < self.max_concurrent_prompts:
             engine = self.balancer.acquire(self.n)
             if engine is None:
                 return
             self._start(batch, batch.reroute.pop(0), engine)
         # Groups carried over are never lost, so with carry over the engines are kept full (bounded by the groups in
-        # flight); otherwise the stop rule says how many more are worth their aborted tokens.
-        limit = self.max_concurrent_prompts if self.carry_over else min(self.max_concurrent_prompts, batch.wanted())
+        # flight and by what the run's later batches can use); otherwise the stop rule says how many more are worth
+        # their aborted tokens.
+        limit = min(self.max_concurrent_prompts, batch.wanted() + later_need)
         while len(batch.pending) < limit:
             engine = self.balancer.acquire(self.n)
             if engine is None:
@@ -269,6 +287,7 @@ class RolloutController:
             return
         shape_rewards(group, record.budget, *self.overlong)
         flat = batch.group_finished(record, group)
+        self.groups_finished, self.groups_valid = self.groups_finished + 1, self.groups_valid + record.valid
         if self.on_group is not None:
             self.on_group(record.prompt, flat)
 

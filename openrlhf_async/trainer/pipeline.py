@@ -129,8 +129,9 @@ class GenerateSamplesActor:
         self._outcomes.append((prompt["id"], flat))
         self.sampler.record([(prompt["id"], flat)])
 
-    def _batch(self, target_version: int) -> tuple:
-        """batch_size valid groups, none staler than the limit at the version they will be trained at."""
+    def _batch(self, target_version: int, remaining: int = None) -> tuple:
+        """batch_size valid groups, none staler than the limit at the version they will be trained at.
+        remaining: batches the run asks for after this one (the controller starts no more groups than they use)."""
         size, groups, metrics = self.cfg.rollout.batch_size, [], {}
         dropped, used = 0, {}  # used: stream position -> dataset row, for the prompts this batch used up
 
@@ -147,7 +148,7 @@ class GenerateSamplesActor:
 
         while len(groups) < size:
             used.update(carried())
-            got, m = self.controller.run(next_prompt, size - len(groups))
+            got, m = self.controller.run(next_prompt, size - len(groups), remaining)
             for position in carried():
                 used.pop(position, None)
             fresh = [g for g in got if self.staleness.is_fresh(g, target_version)]
@@ -170,7 +171,7 @@ class GenerateSamplesActor:
                             return {"items": index, "stopped": True}
                 version = base + self.staleness.trained_version(index)
                 with self.timeline.span("generate"):
-                    groups, metrics, used, outcomes = self._batch(version)
+                    groups, metrics, used, outcomes = self._batch(version, remaining=num_items - 1 - index)
                 metrics["rollouter/idle_ratio"] = self.timeline.idle_ratio(start)
                 metrics["rollouter/gate_wait_s"] = self.timeline.last["wait"]
                 with self.timeline.span("wait"):
