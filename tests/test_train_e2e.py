@@ -64,8 +64,7 @@ def _start_long_run(tmp_path, model_path, name, *flags, until_step=2, until_file
 def _wait_for_step(proc, metrics, step: int, until_file=None, timeout_s: float = 400) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
-        if (metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines())
-                and (until_file is None or until_file.exists())):
+        if metrics.exists() and _newest_step(metrics) >= step and (until_file is None or until_file.exists()):
             break
         time.sleep(0.05)  # steps take a fraction of a second: a kill must land before the next checkpoint
     assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -80,6 +79,17 @@ def _write_sums(path, pairs=None, keys=("prompt", "label")) -> None:
 
 def _records(path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _newest_step(metrics) -> int:
+    """The last step in a metrics file being written (a line still half-written is not counted)."""
+    steps = [0]
+    for line in metrics.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return max(steps)
 
 
 def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path):
@@ -98,6 +108,12 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
                            until_file=run_dir / "ckpt" / "step_2" / "trainer_state.json")
     descendants = psutil.Process(proc.pid).children(recursive=True)
     heavy = [p for p in descendants if any(k in " ".join(p.cmdline()) for k in ("VLLM", "LLMRayActor", "PolicyActor"))]
+    # Kill just after an odd step: checkpoints come every 2, so it is trained and in no checkpoint. (Listing the
+    # processes above takes long enough for the next step and its checkpoint to land: killing right after it lost
+    # nothing once, and the test then failed on a run that did all it should.)
+    deadline = time.time() + 120
+    while _newest_step(run_dir / "metrics.jsonl") % 2 == 0 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
     proc.kill()  # SIGKILL: no clean-up of any kind in the driver
     proc.communicate()
     _, alive = psutil.wait_procs(heavy, timeout=60)
