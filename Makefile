@@ -12,14 +12,14 @@ CACHE ?= $(or $(OPENRLHF_ASYNC_CACHE),$(HOME)/.cache/openrlhf_async)
 
 install: $(STAMP) bwrap
 
-# Agent tools run model-written code under bubblewrap (Debian's package bubblewrap). Without it that code is
-# refused (unless --agent.sandbox unsafe); the rest works.
+# Agent tools run model-written code under bubblewrap (Debian's package bubblewrap) with a seccomp filter compiled
+# by libseccomp (libseccomp2). Without them that code is refused (unless --agent.sandbox unsafe); the rest works.
 bwrap:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap && ldconfig -p | grep -q libseccomp.so.2; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
 	  echo "installing bubblewrap (the code sandbox of agent tools)"; \
-	  { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; } \
-	  || echo "make: could not install bubblewrap (apt-get install bubblewrap): agent tools will refuse to run model code unless --agent.sandbox unsafe"; }
+	  { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; } \
+	  || echo "make: could not install bubblewrap and libseccomp2 (apt-get install bubblewrap libseccomp2): agent tools will refuse to run model code unless --agent.sandbox unsafe"; }
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -14,6 +14,7 @@ COMMON = [
     "datasets==5.2.0",  # the data loader
     "gguf==0.19.0",  # models published as GGUF files (models/gguf.py), read by transformers
     "math-verify==0.9.0",
+    "pyseccomp==0.1.2",  # the code sandbox's seccomp filter, compiled by the system's libseccomp
     "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers
     "wandb==0.31.0",
     "tensorboard",

@@ -407,11 +407,133 @@ def test_no_process_outlives_the_run(hook, ends):
         print("daemon started", flush=True)
         {"time.sleep(60)" if ends == "by timeout" else "pass"}
     """, hook, timeout=2.0)
-    assert ("daemon started" in result["stdout"]) != HOOK[hook], result["stderr"]
+    # The hook refuses fork, and without it the seccomp filter does: no second process ever starts.
+    assert "daemon started" not in result["stdout"] and "PermissionError" in result["stderr"], result["stderr"]
     left = host_processes_with(marker)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+# --- memory and kernel state outside the process (RLIMIT_AS bounds only its own mappings) ----------------------
+
+MEMORY_HOLDERS = {
+    "memfd": "import os\nfd = os.memfd_create('m')\nos.write(fd, b'1' * (64 << 20))\nprint('held')",
+    "SysV shared memory": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                          "shm = libc.shmget(0, 64 << 20, 0o1600)\nassert shm >= 0, ctypes.get_errno()\nprint('held')",
+    "SysV message queue": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                          "assert libc.msgget(0, 0o1600) >= 0, ctypes.get_errno()\nprint('held')",
+    "POSIX shared memory": "import os, _posixshmem\nfd = _posixshmem.shm_open('/m', os.O_CREAT | os.O_RDWR, 0o600)\n"
+                           "os.write(fd, b'1' * (64 << 20))\nprint('held')",
+    "memory in a second process": "import os, time\nif os.fork() == 0:\n    b = bytearray(200 << 20)\n"
+                                  "    time.sleep(2)\n    os._exit(0)\nprint('held')",
+    "io_uring": "import ctypes\nparams = ctypes.create_string_buffer(120)\n"
+                "fd = ctypes.CDLL(None, use_errno=True).syscall(425, 8, params)\nassert fd >= 0\nprint('held')",
+}
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+@pytest.mark.parametrize("name", list(MEMORY_HOLDERS))
+def test_memory_outside_the_process_cannot_be_held(hook, name):
+    result = run(MEMORY_HOLDERS[name], hook, timeout=5.0, memory_mb=256)
+    assert "held" not in result["stdout"] and result["exit_code"] != 0, result
+    assert any(why in result["stderr"] for why in ("PermissionError", "AssertionError", "Read-only file system")), \
+        result["stderr"][-300:]
+
+
+def _keyring_call(name: str) -> int:
+    import pyseccomp
+
+    return pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
+
+
+@pytest.fixture
+def host_key():
+    """A key in the engine's own session keyring, as a host secret; revoked afterwards."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"openrlhf-test-{uuid.uuid4().hex}".encode()
+    key = libc.syscall(_keyring_call("add_key"), b"user", name, b"host secret", 11, -3)  # -3: session keyring
+    assert key > 0, os.strerror(ctypes.get_errno())
+    yield name.decode()
+    libc.syscall(_keyring_call("keyctl"), 3, key)  # KEYCTL_REVOKE
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_the_kernel_keyrings_are_out_of_reach(hook, host_key):
+    add_key, keyctl = _keyring_call("add_key"), _keyring_call("keyctl")
+    code = f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        for ring in (-3, -4, -5):  # session, user, user-session keyrings
+            found = libc.syscall({keyctl}, 10, ring, b"user", b"{host_key}", 0)  # KEYCTL_SEARCH
+            print("search", ring, found, os.strerror(ctypes.get_errno()))
+        print("left", libc.syscall({add_key}, b"user", b"planted", b"for the next run", 16, -4))
+        try:
+            print("proc/keys", "{host_key}" in open("/proc/keys").read())
+        except OSError as e:
+            print("proc/keys", type(e).__name__)
+    """
+    first, second = run(code, hook), run(code, hook)
+    for result in (first, second):
+        if HOOK[hook]:  # the hook refuses the ctypes call itself
+            assert "PermissionError: sandbox:" in result["stderr"]
+            continue
+        lines = result["stdout"].splitlines()
+        assert [line.split()[2] for line in lines[:3]] == ["-1"] * 3, result
+        assert all("Operation not permitted" in line for line in lines[:3]), result
+        assert lines[3] == "left -1" and lines[4] != "proc/keys True", result
+
+
+def test_bwraps_options_are_not_shown_to_the_code():
+    result = run_python("print(open('/proc/1/cmdline').read())")
+    assert result["exit_code"] == 0 and "--ro-bind" not in result["stdout"] and "--seccomp" not in result["stdout"]
+
+
+def _cgroup_parent() -> str:
+    from openrlhf_async.agent import kernel_limits
+
+    found = kernel_limits._hierarchy_here()
+    assert found is not None, (f"no memory cgroup can be made on this machine ({kernel_limits.memory_bound()}); "
+                               "the CI machine has one")
+    return found.parent
+
+
+def test_each_run_gets_a_memory_cgroup_that_is_removed_afterwards():
+    parent = _cgroup_parent()
+    before = {n for n in os.listdir(parent) if n.startswith("openrlhf-sandbox-")}
+    seen = []
+
+    def look():
+        deadline = time.monotonic() + 3
+        while not seen and time.monotonic() < deadline:
+            for name in set(os.listdir(parent)) - before:
+                if name.startswith("openrlhf-sandbox-"):
+                    with open(os.path.join(parent, name, "cgroup.procs")) as f:
+                        if f.read().split():  # the run's processes are in it
+                            seen.append(name)
+            time.sleep(0.05)
+
+    import threading
+
+    watcher = threading.Thread(target=look)
+    watcher.start()
+    result = run_python("import time\ntime.sleep(1.5)\nprint('done')", timeout=5.0)
+    watcher.join()
+    assert result["stdout"] == "done\n" and seen, (result, seen)
+    run_python("print(1)")  # a finished run's cgroup goes once its last process has left: at the latest, now
+    assert seen[0] not in os.listdir(parent)
+
+
+def test_a_run_past_its_cgroups_limit_is_killed_and_says_so(monkeypatch):
+    _cgroup_parent()
+    # The cgroup's limit below RLIMIT_AS (it is normally above it, a backstop): the kernel kills at the cgroup's.
+    monkeypatch.setattr(sandbox, "CGROUP_SLACK_MB", -(sandbox.WORKDIR_MB + 192))
+    result = run_python("b = bytearray(150 << 20)\nb[::4096] = b'x' * len(b[::4096])\nprint('allocated')",
+                        timeout=10.0, memory_mb=256)
+    assert "allocated" not in result["stdout"] and result["exit_code"] == -9, result
+    assert "sandbox: killed at its memory limit" in result["stderr"]
 
 
 # --- without isolation -----------------------------------------------------------------------------------

@@ -40,13 +40,21 @@ import tempfile
 import threading
 import time
 
+from openrlhf_async.agent.kernel_limits import RunCgroup, memory_bound, seccomp_fd, seccomp_program
+
 logger = logging.getLogger(__name__)
 
 MODES = ("bwrap", "unsafe")
 MODE_ENV = "OPENRLHF_ASYNC_SANDBOX"  # set in each engine from --agent.sandbox
 WORKDIR_MB = 32  # the working dir's tmpfs size, and the largest file the code may write
-NPROC = 16  # processes and threads the code may run at once (inside its own user namespace)
+NPROC = 16  # threads the code may run at once (inside its own user namespace; the filter refuses processes)
+NOFILE = 64  # open descriptors: each pipe or socket holds kernel buffers outside the process's memory limit
+CGROUP_SLACK_MB = 32  # the cgroup's limit over RLIMIT_AS and the tmpfs: page tables, kernel buffers
 ROOT = "/sandbox"  # the working dir inside bwrap
+# /proc/keys lists the keys of the engine's session keyring, which every child inherits (the filter refuses the
+# keyring calls; their names still show there).
+PROC_MASKED = ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/timer_list", "/proc/sched_debug",
+               "/proc/latency_stats")
 UID = 65534  # the code's uid inside its user namespace: "nobody", not root
 ROOT_ENGINE_UIDS = (100_000, 4096)  # an engine run by root runs each sandbox as a host uid from this range
 _READ_CHUNK = 65536
@@ -58,16 +66,17 @@ class SandboxUnavailable(RuntimeError):
 
 
 # The program the sandboxed interpreter runs: argv = root, memory bytes, cpu seconds, disk bytes, nproc (0: no
-# limit), audit (install the hook; off only in the tests that show the OS layer holds alone).
+# limit), open descriptors, audit (install the hook; off only in the tests that show the OS layer holds alone).
 PREAMBLE = r'''
 import os, sys
 
 
-def _limit(memory_bytes, cpu_seconds, disk_bytes, nproc):
+def _limit(memory_bytes, cpu_seconds, disk_bytes, nproc, nofile):
     import resource
 
     limits = [(resource.RLIMIT_AS, memory_bytes, memory_bytes), (resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1),
-              (resource.RLIMIT_FSIZE, disk_bytes, disk_bytes), (resource.RLIMIT_CORE, 0, 0)]
+              (resource.RLIMIT_FSIZE, disk_bytes, disk_bytes), (resource.RLIMIT_CORE, 0, 0),
+              (resource.RLIMIT_NOFILE, nofile, nofile), (resource.RLIMIT_MSGQUEUE, 0, 0)]
     if nproc:  # counted per user: only inside our own user namespace is a small number safe
         limits.append((resource.RLIMIT_NPROC, nproc, nproc))
     for which, soft, hard in limits:
@@ -188,13 +197,13 @@ def _make_hook(root, fspath=os.fspath, getcwd=os.getcwd, stat=os.stat, lstat=os.
 
 
 def _main():
-    root, memory, cpu, disk, nproc, audit = sys.argv[1:7]
-    memory, cpu, disk, nproc, audit = int(memory), int(cpu), int(disk), int(nproc), audit == "1"
+    root, memory, cpu, disk, nproc, nofile, audit = sys.argv[1:8]
+    memory, cpu, disk, nproc, nofile, audit = int(memory), int(cpu), int(disk), int(nproc), int(nofile), audit == "1"
     import atexit, builtins, traceback, types
 
     with open("main.py", "rb") as f:
         source = f.read()
-    _limit(memory, cpu, disk, nproc)
+    _limit(memory, cpu, disk, nproc, nofile)
     main = types.ModuleType("__main__")
     main.__file__, main.__builtins__ = "main.py", builtins
     sys.modules["__main__"], sys.argv = main, ["main.py"]
@@ -310,11 +319,13 @@ def _user_namespace(fds: list) -> tuple:
 
 
 def _bwrap_command(fds: list, disk_bytes: int) -> list:
-    """The bwrap command line up to the program; fds: [the code's memfd], to which namespace descriptors are added."""
-    code_fd = fds[0]
+    """The bwrap command line up to the program; fds: [the code's memfd, the seccomp filter's], to which namespace
+    descriptors are added."""
+    code_fd, filter_fd = fds[:2]
     userns, drop = _user_namespace(fds)
-    command = [shutil.which("bwrap") or "bwrap", *userns, "--unshare-pid", "--unshare-net", "--unshare-ipc",
-               "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    command = [*userns, "--unshare-pid", "--unshare-net", "--unshare-ipc",
+               "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+               "--hostname", "sandbox", "--seccomp", str(filter_fd)]
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):  # merged /usr: /bin -> usr/bin
             command += ["--symlink", os.readlink(top), top]
@@ -330,7 +341,11 @@ def _bwrap_command(fds: list, disk_bytes: int) -> list:
         for parent in reversed(parents[:-1]):  # bwrap would copy a parent's mode, and /root is 0700
             command += ["--perms", "0755", "--dir", parent]
         command += ["--ro-bind", path, path]
-    command += ["--proc", "/proc", "--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", ROOT,
+    command += ["--proc", "/proc"]
+    for path in PROC_MASKED:  # as container runtimes mask them: the host's keys, kernel memory and timers
+        if os.path.exists(path):  # the same kernel: what the host's /proc has, the sandbox's has
+            command += ["--ro-bind", "/dev/null", path]
+    command += ["--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", ROOT,
                 "--file", str(code_fd), f"{ROOT}/main.py"]
     if not any(d == "/tmp" or d.startswith("/tmp/") for d in python_dirs):
         command += ["--symlink", ROOT, "/tmp"]  # else /tmp holds the interpreter's folder, read-only; TMPDIR is ROOT
@@ -338,40 +353,54 @@ def _bwrap_command(fds: list, disk_bytes: int) -> list:
                 "--chdir", ROOT, "--clearenv"]
     for name, value in _env(ROOT).items():
         command += ["--setenv", name, value]
-    return command + ["--", *drop]
+    # The options travel in a descriptor (--args), so bwrap's command line, which the code sees as /proc/1/cmdline,
+    # shows no host paths or sandbox set-up.
+    options_fd = os.memfd_create("sandbox-options")
+    fds.append(options_fd)
+    os.write(options_fd, b"".join(arg.encode() + b"\0" for arg in command))
+    os.lseek(options_fd, 0, os.SEEK_SET)
+    return [shutil.which("bwrap") or "bwrap", "--args", str(options_fd), "--", *drop]
 
 
 def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -> tuple:
-    """(host folder to remove afterwards or None, the command, its Popen arguments); the caller closes pass_fds."""
-    limits = [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(WORKDIR_MB << 20)]
+    """(host folder to remove afterwards or None, the run's cgroup, the command, its Popen arguments); _cleanup
+    closes pass_fds and the cgroup."""
+    limits = [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(WORKDIR_MB << 20)]  # then nproc, nofile
     python = [sys.executable, "-I", "-B", "-u", "-c", PREAMBLE]
     # start_new_session: one process group holds the launcher, so one kill ends it (and bwrap takes the rest).
     options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
     if mode == "bwrap":
-        code_fd = os.memfd_create("sandbox-code")  # bwrap copies it into the tmpfs: nothing is written on the host
-        os.write(code_fd, code.encode("utf-8", "surrogatepass"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
-        fds = [code_fd]
+        fds = []
         try:
-            command = _bwrap_command(fds, WORKDIR_MB << 20) + python + [ROOT, *limits, str(NPROC), str(int(audit))]
+            code_fd = os.memfd_create("sandbox-code")  # bwrap copies it into the tmpfs: nothing is written on the host
+            fds.append(code_fd)
+            os.write(code_fd, code.encode("utf-8", "surrogatepass"))
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            fds.append(seccomp_fd())
+            command = _bwrap_command(fds, WORKDIR_MB << 20) + python + [ROOT, *limits, str(NPROC), str(NOFILE),
+                                                                         str(int(audit))]
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            cgroup.close()
             raise
-        return None, command, {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
+        return None, cgroup, cgroup.wrap(command), {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(code)
     # RLIMIT_NPROC counts every process of the user outside a user namespace: no small number is safe there.
-    command = python + [os.path.realpath(workdir), *limits, "0", str(int(audit))]
-    return workdir, command, {**options, "env": _env(workdir), "cwd": workdir}
+    command = python + [os.path.realpath(workdir), *limits, "0", str(NOFILE), str(int(audit))]
+    return workdir, cgroup, cgroup.wrap(command), {**options, "env": _env(workdir), "cwd": workdir}
 
 
-def _cleanup(workdir, options) -> None:
+def _cleanup(workdir, cgroup, options) -> bool:
+    """Release what the run held; True when the kernel killed it at its cgroup's memory limit."""
     for fd in options.get("pass_fds", ()):
         os.close(fd)
     if workdir is not None:
         shutil.rmtree(workdir, ignore_errors=True)
+    return cgroup.close()
 
 
 def _exit_code(returncode: int, mode: str) -> int:
@@ -391,7 +420,11 @@ class _Output:
         self.size += len(data)
 
 
-def _result(out: _Output, err: _Output, exit_code, timed_out: bool, max_output: int) -> dict:
+def _result(out: _Output, err: _Output, exit_code, timed_out: bool, max_output: int, memory_mb: int,
+            out_of_memory: bool) -> dict:
+    if out_of_memory:  # SIGKILL from the kernel says nothing by itself
+        err.add(f"\nsandbox: killed at its memory limit ({memory_mb} MB and the {WORKDIR_MB} MB working folder)\n"
+                .encode())
     texts, truncated = [], False
     for pipe in (out, err):
         text = b"".join(pipe.chunks).decode("utf-8", "replace")
@@ -411,7 +444,7 @@ def _kill_group(pid: int) -> None:
 def _run_blocking(code: str, timeout: float, memory_mb: int, max_output: int, mode: str, audit: bool) -> dict:
     # Plain subprocess, no event loop: uvloop (installed by Ray) refuses two loops spawning at once, and a
     # blocking call may come from any thread of an engine.
-    workdir, command, options = _launch(code, timeout, memory_mb, mode, audit)
+    workdir, cgroup, command, options = _launch(code, timeout, memory_mb, mode, audit)
     proc = None
     try:
         proc = subprocess.Popen(command, **options)
@@ -440,7 +473,6 @@ def _run_blocking(code: str, timeout: float, memory_mb: int, max_output: int, mo
                 _kill_group(proc.pid)
                 read_until(time.monotonic() + _DRAIN_AFTER_KILL)  # what it wrote before the kill
                 proc.wait()
-        return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output)
     finally:
         if proc is not None:
             if proc.returncode is None:
@@ -448,7 +480,8 @@ def _run_blocking(code: str, timeout: float, memory_mb: int, max_output: int, mo
                 proc.wait()
             proc.stdout.close()
             proc.stderr.close()
-        _cleanup(workdir, options)
+        out_of_memory = _cleanup(workdir, cgroup, options)
+    return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output, memory_mb, out_of_memory)
 
 
 async def _read(stream, output: _Output) -> None:
@@ -460,7 +493,7 @@ async def _read(stream, output: _Output) -> None:
 
 
 async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode: str, audit: bool) -> dict:
-    workdir, command, options = _launch(code, timeout, memory_mb, mode, audit)
+    workdir, cgroup, command, options = _launch(code, timeout, memory_mb, mode, audit)
     proc = None
     try:
         proc = await asyncio.create_subprocess_exec(*command, **options)
@@ -479,7 +512,6 @@ async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode:
         if proc.returncode is None:
             _kill_group(proc.pid)
             await proc.wait()
-        return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output)
     finally:
         if proc is not None and proc.returncode is None:  # cancelled by the caller (a step timeout)
             _kill_group(proc.pid)
@@ -489,7 +521,8 @@ async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode:
                 pass
         if proc is not None and getattr(proc, "_transport", None) is not None:
             proc._transport.close()
-        _cleanup(workdir, options)
+        out_of_memory = _cleanup(workdir, cgroup, options)
+    return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output, memory_mb, out_of_memory)
 
 
 _probe_lock = threading.Lock()
@@ -518,6 +551,11 @@ def _probe(mode: str) -> str:
         return ""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
+    try:
+        seccomp_program()
+    except Exception as e:  # ImportError, or OSError from ctypes where libseccomp.so.2 is missing
+        return f"no seccomp filter: libseccomp (apt-get install libseccomp2) or pyseccomp is missing ({e})"
+    logger.info(f"sandbox: model code's memory bounded by {memory_bound()}")
     result = _run_blocking("print('ok')", timeout=30.0, memory_mb=512, max_output=4096, mode=mode, audit=True)
     if result["stdout"] == "ok\n" and result["exit_code"] == 0:
         return ""
