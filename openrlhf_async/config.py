@@ -1,7 +1,7 @@
 """One typed config for a run, built from OpenRLHF-style dotted flags and validated once at start.
 
-Each setting is one `setting(...)` line: its default, its --help text, the choices, range and flag spelling that
-the generated parser and `validate` enforce, and, for a flag of OpenRLHF 0.11.2's `train_ppo_ray`, how this system
+Each setting is one `setting(...)` line: its default, its --help text, the choices, range, bound and flag spelling
+that the generated parser and `validate` enforce, and, for a flag of OpenRLHF 0.11.2's `train_ppo_ray`, how this system
 supports it (`openrlhf=`). Adding a flag is adding that line. A flag spelled as in OpenRLHF 0.11.2 has its meaning
 and default there; the project's presets (`openrlhf_async/presets/*.args`) set what they need explicitly."""
 
@@ -59,15 +59,25 @@ _PAIR = {
 SUPPORT_KINDS = ("same", "differs", "refused", "no effect")
 
 
+# Every number a setting holds is bounded, so that a value its use cannot take fails here with one line instead of
+# after start-up (an OverflowError, a seed numpy refuses, a sleep that never ends, a pool of 10^20 workers):
+INT_LIMIT = 2**31 - 1  # an int setting's magnitude unless its `most` is lower: C int, as vLLM, torch and numpy take
+FLOAT_LIMIT = 1e15  # a float setting's magnitude: rewards, clips and coefficients meet in fp32 sums and squares
+WEEK_S = 7 * 24 * 3600  # a timeout's (range "> 0 s") upper end: past it nothing waits, and 1e308 s overflows
+SEED_MAX = 2**31 - 1  # seeds reach numpy (below 2**32) as the seed plus an engine index or weight version
+PER_NODE_MAX = 1024  # GPUs, cores, ranks or worker processes one node can hold
+NODES_MAX = 4096  # nodes (or engines) one Ray cluster holds
+
+
 def setting(default, help: str, choices: tuple = None, range: str = None, flag: str = None, openrlhf: str = None,
-            type=None, nargs=None):
-    """A config field with its --help text, its allowed values (choices, or a range of _EACH or _PAIR), its flag
-    where it is spelled other than --<section>.<field>, its OpenRLHF support, and (for a default of None) the type
-    and nargs of its value."""
+            type=None, nargs=None, most=None):
+    """A config field with its --help text, its allowed values (choices, or a range of _EACH or _PAIR, and at most
+    `most`: INT_LIMIT, FLOAT_LIMIT or WEEK_S when not given), its flag where it is spelled other than
+    --<section>.<field>, its OpenRLHF support, and (for a default of None) the type and nargs of its value."""
     assert help and (range is None or range in _EACH or range in _PAIR), (help, range)
     assert openrlhf is None or openrlhf.split(":")[0] in SUPPORT_KINDS, openrlhf
     return field(default=default, metadata={"help": help, "choices": choices, "range": range, "flag": flag,
-                                            "openrlhf": openrlhf, "type": type, "nargs": nargs})
+                                            "openrlhf": openrlhf, "type": type, "nargs": nargs, "most": most})
 
 
 _NO_CRITIC = "no effect: no critic is trained here (the critic-free estimators need none; gae is refused)"
@@ -81,9 +91,9 @@ class ActorConfig:
     model_name_or_path: Optional[str] = setting(
         None, "HF model folder or Hugging Face id; none builds the embedded tiny model", type=str,
         openrlhf="differs: without it the embedded tiny model is built (OpenRLHF requires a model)")
-    num_nodes: int = setting(1, "nodes of DeepSpeed trainer ranks", range=">= 1", openrlhf="same")
-    num_gpus_per_node: int = setting(8, "DeepSpeed ranks per node (CPU processes when the device is cpu)",
-                                     range=">= 1", openrlhf="same")
+    num_nodes: int = setting(1, "nodes of DeepSpeed trainer ranks", range=">= 1", most=NODES_MAX, openrlhf="same")
+    num_gpus_per_node: int = setting(8, "DeepSpeed ranks per node (CPU processes when the device is cpu, a core "
+                                        "each)", range=">= 1", most=PER_NODE_MAX, openrlhf="same")
     placement_strategy: str = setting("PACK", "how the trainer ranks' placement group ({GPU: 1, CPU: 1} per rank on "
                                               "cuda) lays them on nodes: PACK (as few nodes as possible) or SPREAD",
                                       choices=("PACK", "SPREAD"))
@@ -190,8 +200,9 @@ class RefConfig:
 class VLLMConfig:
     num_engines: Optional[int] = setting(None, "vLLM engines generating rollouts; none: 1", type=int,
                                          openrlhf="differs: none starts one engine (OpenRLHF then generates with "
-                                                  "the trainer's model, which is not built here); 0 is refused")
-    tensor_parallel_size: int = setting(1, "GPUs per vLLM engine", range=">= 1", openrlhf="same")
+                                                  "the trainer's model, which is not built here); 0 is refused",
+                                         most=NODES_MAX)
+    tensor_parallel_size: int = setting(1, "GPUs per vLLM engine", range=">= 1", most=PER_NODE_MAX, openrlhf="same")
     sync_backend: str = setting("nccl", "weight-sync group backend (on cpu, nccl becomes gloo with a notice)",
                                 choices=("nccl", "gloo"),
                                 openrlhf="differs: on cpu nccl becomes gloo, the CPU twin of the same group")
@@ -211,27 +222,29 @@ class VLLMConfig:
               "each other's cores (1.35x the rollout's tokens/s on 2 cores, BENCHMARKS.md); "
               "--no-vllm.worker_in_engine_core gives vLLM-CPU's layout back. Tensor-parallel engines run their workers "
               "under Ray either way")
-    cpu_kvcache_space_gib: int = setting(1, "KV cache per engine on cpu, in GiB (VLLM_CPU_KVCACHE_SPACE)")
-    max_num_seqs: int = setting(256, "sequences one vLLM engine batches at once", range=">= 1")
+    cpu_kvcache_space_gib: int = setting(1, "KV cache per engine on cpu, in GiB (VLLM_CPU_KVCACHE_SPACE)",
+                                         range=">= 0", most=2**16)
+    max_num_seqs: int = setting(256, "sequences one vLLM engine batches at once (vLLM sizes buffers by it)",
+                                range=">= 1", most=2**16)
     max_concurrency: Optional[int] = setting(
         None, "agent episodes in flight per engine (the balancer's capacity and the engine's asyncio semaphore; "
               "env OPENRLHF_ASYNC_NUM_TASKS overrides); none: 4 x --vllm.max_num_seqs, since a group holds its n "
               "slots until its longest sample ends, when as few as 40% of them may still be generating (vLLM "
-              "queues what is beyond its batch)", type=int, range=">= 1")
+              "queues what is beyond its batch)", type=int, range=">= 1", most=2**20)
 
     max_num_engines: Optional[int] = setting(
         None, "engines the run may grow to while it goes on, as the Ray cluster gains room for them (a node joins; on "
               "a cluster with an autoscaler the engine waiting for room is the demand that adds one); none: "
-              "--vllm.num_engines, no growth", type=int, range=">= 1")
+              "--vllm.num_engines, no growth", type=int, range=">= 1", most=NODES_MAX)
     max_engine_restarts: int = setting(3, "engines started in place of dead ones (actor or node gone, or hung in a "
                                           "weight sync) during a run; past it the run goes on with the live engines",
                                        range=">= 0")
     sync_timeout: float = setting(300.0, "seconds an engine may take to pause, join the weight-sync group or load a "
-                                         "broadcast before it is counted hung, killed and replaced", range="> 0")
+                                         "broadcast before it is counted hung, killed and replaced", range="> 0 s")
     cpus_per_engine: float = setting(0.0, "Ray CPUs one engine takes on cpu (its placement bundle); 0: none, so a "
                                           "laptop fits every engine beside the trainer; on a CPU cluster give the "
                                           "cores an engine uses, so engines spread and growth waits for room",
-                                     range=">= 0")
+                                     range=">= 0", most=PER_NODE_MAX)
 
     def concurrency(self) -> int:
         """Episodes in flight per engine: OPENRLHF_ASYNC_NUM_TASKS, --vllm.max_concurrency, or 4 x max_num_seqs."""
@@ -276,7 +289,7 @@ class RolloutConfig:
     unbiased_early_stop: bool = setting(False, "stop only when every group started before the last accepted one "
                                                "has finished")
     admission_margin: float = setting(0.0, "start this share more groups than the valid rate says are needed: "
-                                           "faster batches, more aborted tokens", range=">= 0")
+                                           "faster batches, more aborted tokens", range=">= 0", most=100.0)
     skip_flat_prompts: float = setting(0.0, "skip a prompt, when its turn comes again, with this probability if its "
                                             "last group's scores were all equal (it taught nothing then); 0: never; "
                                             "below 1 so that a prompt comes back once the policy has moved",
@@ -292,7 +305,7 @@ class AgentConfig:
                                              "OpenRLHF AgentExecutor; none: the built-in single-turn math agent",
                                        type=str, flag="train.agent_func_path", openrlhf="same")
     workers: int = setting(0, "0 runs agent steps in the engine's process; N isolates them in N worker processes per "
-                              "engine", range=">= 0")
+                              "engine", range=">= 0", most=PER_NODE_MAX)
     max_steps: int = setting(8, "agent steps (turns) per episode at most", range=">= 1")
     observation_turn: str = setting("user", "how a multi-turn agent's observation joins the conversation with "
                                             "--data.apply_chat_template: as a user or tool turn of the model's chat "
@@ -331,7 +344,8 @@ class TrainConfig:
                               range=">= 1", openrlhf="same")
     max_epochs: int = setting(1, "passes of the optimizer over one rollout batch", range=">= 1", openrlhf="same")
     micro_batch_size: int = setting(1, "samples per forward/backward on one rank", range=">= 1", openrlhf="same")
-    seed: int = setting(42, "random seed of prompt order, sampling and training", openrlhf="same")
+    seed: int = setting(42, "random seed of prompt order, sampling and training", range=">= 0", most=SEED_MAX,
+                        openrlhf="same")
     full_determinism_enable: bool = setting(False, "deterministic algorithms on the trainer ranks (slower)",
                                             openrlhf="differs: the trainer ranks only; vLLM sampling is seeded")
     colocate_actor_ref: bool = setting(False, "put the reference model on the policy's devices",
@@ -350,12 +364,13 @@ class TrainConfig:
     max_tokens_per_gpu: int = setting(16192, "with --train.dynamic_batch_enable, the token budget of a training "
                                              "micro batch (a longer sample makes one alone)", range=">= 1",
                                       openrlhf="same")
-    weight_sync_bucket_mb: int = setting(64, "MB of weights per broadcast when syncing the engines", range=">= 1")
+    weight_sync_bucket_mb: int = setting(64, "MB of weights per broadcast when syncing the engines (a buffer of "
+                                             "that size on each device)", range=">= 1", most=2**16)
     max_staleness: int = setting(-1, "hard bound on a trained sample's staleness (trainer version minus the oldest "
                                      "version of its tokens); staler groups are dropped and counted; -1: the mode's "
                                      "own bound")
     staleness_threshold: float = setting(0.5, "fully_async: share of a sync window the generator may produce beyond "
-                                              "it", range=">= 0")
+                                              "it", range=">= 0", most=1000.0)
     trigger_parameter_sync_step: int = setting(1, "fully_async: optimizer steps between weight syncs", range=">= 1")
     require_batches: int = setting(1, "fully_async: batches of --rollout.batch_size groups per optimizer step",
                                    range=">= 1")
@@ -445,6 +460,18 @@ class AlgoConfig:
                                                         "--algo.dynamic_filtering_std_eps, for unbounded scores)",
                                           choices=("mean_range", "std"))
     dynamic_filtering_std_eps: float = setting(1e-6, "std rule: the score std a group must exceed", range="> 0")
+    dynamic_filtering_max_num_gen_batches: int = setting(
+        10, "dynamic sampling's starvation bound (veRL's algorithm.filter_groups.max_num_gen_batches, as DAPO's "
+            "recipe sets it): a batch that has judged this many times --rollout.batch_size groups without filling is "
+            "starved, and --algo.dynamic_filtering_on_starved says what it becomes", range=">= 1")
+    dynamic_filtering_max_wait_s: Optional[float] = setting(
+        None, "a starvation bound in seconds besides the groups' (a batch is starved once it has generated this long "
+              "without filling); none: the groups' bound alone", type=float, range="> 0 s")
+    dynamic_filtering_on_starved: str = setting(
+        "partial", "what a starved batch becomes: partial (trained on the valid groups found, a smaller batch; none "
+                   "found: the run stops), fill (topped up with filtered groups, whose advantages are about 0) or "
+                   "stop (the run stops); a run that stops saves its model and says why",
+        choices=("partial", "fill", "stop"))
     kl_init_coef: float = setting(0.01, "KL coefficient against the initial policy (loads a reference model); 0: "
                                         "none", range=">= 0", flag="algo.kl.init_coef", openrlhf="same")
     kl_use_loss: bool = setting(False, "KL as a loss term (GRPO) instead of a per-token reward penalty",
@@ -486,10 +513,12 @@ class RewardConfig:
     timeout: float = setting(10.0, "seconds one reward call may take (math-verify, reward_func); for a reward "
                                    "service, its time per sample: the client waits 2T + 10 s for an answer",
                              range="> 0 s")
-    retries: int = setting(5, "reward service: retries with exponential backoff after a failed request", range=">= 0")
-    max_concurrency: int = setting(64, "reward calls in flight per engine", range=">= 1")
+    retries: int = setting(5, "reward service: retries with exponential backoff after a failed request", range=">= 0",
+                           most=100)
+    max_concurrency: int = setting(64, "reward calls in flight per engine", range=">= 1", most=2**20)
     workers: int = setting(2, "worker processes per engine for math-verify and for a plain def reward_func file (a "
-                              "hung call has its worker killed, so it cannot stall generation)", range=">= 1")
+                              "hung call has its worker killed, so it cannot stall generation)", range=">= 1",
+                       most=PER_NODE_MAX)
     max_error_ratio: float = setting(0.5, "stop the run when more than this share of a batch's episodes lost their "
                                           "reward", range="[0, 1]")
 
@@ -773,19 +802,60 @@ def preset_config(name: str = "tiny_cpu", *flags: str) -> Config:
     return parse_config(["@" + preset_path(name), *flags])
 
 
-def expand_preset_files(argv: list) -> list:
-    """@FILE arguments replaced by the flags in FILE (written as on a command line; # starts a comment)."""
-    out = []
+FLAGS_FILE_MAX_BYTES = 1 << 20  # a flags file is a few lines; a larger one is something else (or /dev/zero)
+FLAGS_FILE_MAX_DEPTH = 16  # flags files within flags files
+FLAGS_FILES_MAX = 1000  # flags files read for one command line (a file naming another many times, nested)
+
+
+def expand_preset_files(argv: list, including: tuple = (), read: list = None) -> list:
+    """@FILE arguments replaced by the flags in FILE (written as on a command line; # starts a comment), which may
+    name flags files of their own. including: the files whose flags are being read, outermost first; read: every
+    flags file read so far."""
+    out, read = [], [] if read is None else read
     for arg in argv:
         if not arg.startswith("@"):
             out.append(arg)
             continue
-        try:
-            with open(arg[1:]) as f:
-                out.extend(expand_preset_files(shlex.split(f.read(), comments=True)))
-        except OSError as e:
-            raise ConfigError(f"{arg}: cannot read the flags file ({e.strerror})") from None
+        chain = (*including, arg[1:])
+        read.append(arg[1:])
+        if len(read) > FLAGS_FILES_MAX:
+            raise ConfigError(f"@{chain[0]}: reads more than {FLAGS_FILES_MAX} flags files (one named many times over "
+                              "in nested files?); name each flags file once")
+        out.extend(expand_preset_files(_read_flags_file(chain), chain, read))
     return out
+
+
+def _read_flags_file(chain: tuple) -> list:
+    """The flags in the last file of chain (the files including it before it); a cycle, a file too deep, too large,
+    not text or not splittable is a one-line ConfigError naming it."""
+    path = chain[-1]
+    if os.path.realpath(path) in map(os.path.realpath, chain[:-1]):
+        raise ConfigError(f"{' -> '.join('@' + p for p in chain)}: the flags file includes itself; remove the @ line "
+                          "that closes the cycle")
+    if len(chain) > FLAGS_FILE_MAX_DEPTH:
+        raise ConfigError(f"@{path}: flags files nest more than {FLAGS_FILE_MAX_DEPTH} deep (@{chain[0]} -> ...); "
+                          "name fewer flags files inside flags files")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(FLAGS_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"@{path}: cannot read the flags file ({e.strerror})") from None
+    if len(data) > FLAGS_FILE_MAX_BYTES:
+        raise ConfigError(f"@{path}: the flags file is larger than {FLAGS_FILE_MAX_BYTES >> 20} MiB: not a flags "
+                          "file? Give one with flags written as on a command line")
+    try:
+        text = data.decode("utf-8")
+        if "\0" in text:
+            raise ValueError("a NUL byte")
+    except ValueError as e:  # UnicodeDecodeError too
+        where = f" at byte {e.start}" if isinstance(e, UnicodeDecodeError) else f" ({e})"
+        raise ConfigError(f"@{path}: the flags file is not text{where}; give one with flags written as on a command "
+                          "line") from None
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError as e:  # "No closing quotation", "No escaped character"
+        raise ConfigError(f"@{path}: the flags file cannot be split into flags ({e}); close the quote, or escape "
+                          "it with a backslash") from None
 
 
 def resolve_device(requested: str) -> str:
@@ -803,10 +873,14 @@ def env_int(name: str, flag: str, default: int) -> int:
     if not text:
         return default
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise ConfigError(f"{name}={text[:40]!r} (the environment override of {flag}): must be a whole number; "
                           f"fix or unset it") from None
+    if abs(value) > INT_LIMIT:
+        raise ConfigError(f"{name}={text[:40]} (the environment override of {flag}): must be at most {INT_LIMIT}; "
+                          f"fix or unset it")
+    return value
 
 
 def validate(cfg: Config) -> Config:
@@ -865,6 +939,27 @@ def _validate_settings(cfg: Config) -> None:
             raise ConfigError(f"--{flag} {_shown(value)}: {_PAIR[rng][1]}")
         if rng in _EACH and not all(_EACH[rng][0](v) for v in values):
             raise ConfigError(f"--{flag} {_shown(value)}: {'each ' if len(values) > 1 else ''}{_EACH[rng][1]}")
+        low, high = _bounds(f)
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if f.default != math.inf and any(v > high for v in numbers):
+            unit = " seconds (a week)" if high == WEEK_S and rng == "> 0 s" else ""
+            raise ConfigError(f"--{flag} {_shown(value)}: must be at most {_number(high)}{unit}")
+        if any(v < low for v in numbers):
+            raise ConfigError(f"--{flag} {_shown(value)}: must be at least {_number(low)}")
+
+
+def _number(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _bounds(f) -> tuple:
+    """(lowest, highest) number a setting takes: its `most`, or WEEK_S for a timeout, else INT_LIMIT or
+    FLOAT_LIMIT by the value's type, either way round zero."""
+    most = f.metadata["most"]
+    if most is None:
+        most = WEEK_S if f.metadata["range"] == "> 0 s" else INT_LIMIT if _value_type(f) is int else FLOAT_LIMIT
+    limit = INT_LIMIT if _value_type(f) is int else FLOAT_LIMIT
+    return -limit, most
 
 
 def support(f) -> tuple:
@@ -943,6 +1038,10 @@ def _validate_rollout(cfg: Config) -> None:
     if screen and not cfg.algo.dynamic_filtering_enable:
         raise ConfigError(f"--rollout.screen_samples {screen} drops groups that would be flat, which only makes "
                           f"sense with dynamic sampling: add --algo.dynamic_filtering_enable or drop the screening")
+    if screen and cfg.algo.dynamic_filtering_on_starved == "fill":
+        raise ConfigError(f"--algo.dynamic_filtering_on_starved fill fills a starved batch with whole flat groups, "
+                          f"but --rollout.screen_samples {screen} stops them after {screen} samples: use partial or "
+                          f"stop, or drop the screening")
     if r.max_new_tokens and r.max_new_tokens >= cfg.data.max_len:
         raise ConfigError(f"--rollout.max_new_tokens {r.max_new_tokens} must be below --data.max_len "
                           f"{cfg.data.max_len}")
@@ -1187,6 +1286,25 @@ def resolve_steps(cfg: Config, num_prompts: int) -> None:
     if cfg.train.max_steps == -1:
         per_step = cfg.rollout.batch_size * (cfg.train.require_batches if cfg.mode == "fully_async" else 1)
         cfg.train.max_steps = max(1, cfg.train.num_episodes * num_prompts // per_step)
+
+
+def check_local_cores(cfg: Config) -> None:
+    """On cpu, a run that starts its own Ray (no RAY_ADDRESS, none running in this process) has this machine's cores:
+    each trainer rank is a busy process and needs one (64 ranks on 2 cores never finish a step), and the engines take
+    --vllm.cpus_per_engine each. A cluster's room is Ray's to give (cuda: check_cluster at start)."""
+    ray = sys.modules.get("ray")
+    if cfg.device != "cpu" or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return
+    cores, a = os.cpu_count() or 1, cfg.actor
+    if a.world_size > cores:
+        raise ConfigError(f"--actor.num_nodes {a.num_nodes} x --actor.num_gpus_per_node {a.num_gpus_per_node}: "
+                          f"{a.world_size} trainer ranks on cpu need a core each and this machine has {cores}; lower "
+                          "--actor.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
+    engine_cores = cfg.num_engines * cfg.vllm.cpus_per_engine
+    if engine_cores > cores:
+        raise ConfigError(f"--vllm.num_engines {cfg.num_engines} x --vllm.cpus_per_engine "
+                          f"{cfg.vllm.cpus_per_engine:g}: {engine_cores:g} cores and this machine has {cores}; lower "
+                          "them, or run on a Ray cluster (RAY_ADDRESS)")
 
 
 def config_with(cfg, **sections):

@@ -63,7 +63,7 @@ def test_dapo_is_deduplicated_and_bad_rows_are_counted(tmp_path):
     out = tmp_path / "out" / "dapo-math-17k.jsonl"
     assert report == {"dataset": "dapo-math-17k", "rows_read": 8, "written": 3, "duplicates_dropped": 3,
                       "label_conflicts": 0, "bad_rows_skipped": 2, "first_bad_row": 3, "non_math_dropped": 0,
-                      "output": str(out)}
+                      "files_skipped": 0, "output": str(out)}
     assert read_jsonl(out) == [
         {"prompt": dapo_text(p), "label": label, "id": i, "source": "math_dapo"}
         for p, label, i in zip(DAPO_PROBLEMS, ["2", "9", "7"], ["id-a", "id-b", "id-c"])]

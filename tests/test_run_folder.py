@@ -1,14 +1,19 @@
 """A run folder's records are never lost by accident: a fresh run refuses a folder that holds an earlier run's
-records (unless --overwrite), --ckpt.load_enable continues a checkpoint when there is one, records are appended, and
-a dry run writes nothing."""
+records (unless --overwrite), --ckpt.load_enable continues a checkpoint when there is one, records are appended, a
+dry run writes nothing, one run at a time holds a run folder, and a folder the run cannot write is refused before it
+starts."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import pytest
+
 from openrlhf_async.cli.train_async import main, prepare
 from openrlhf_async.config import parse_config, preset_path
+from openrlhf_async.utils.run_folder import LOCK_FILE
 
 PRESET = "@" + preset_path("tiny_cpu")
 
@@ -66,7 +71,8 @@ def test_a_real_start_refuses_before_writing_anything(tmp_path):
         refused = None
     except ValueError as e:  # ConfigError
         refused = str(e)
-    assert refused and "holds an earlier run's records" in refused and sorted(os.walk(run_dir)) == before
+    after = [(root, dirs, [f for f in files if f != LOCK_FILE]) for root, dirs, files in sorted(os.walk(run_dir))]
+    assert refused and "holds an earlier run's records" in refused and after == before
 
 
 def test_overwrite_deletes_the_earlier_runs_records_before_the_run_starts(tmp_path):
@@ -74,7 +80,8 @@ def test_overwrite_deletes_the_earlier_runs_records_before_the_run_starts(tmp_pa
     cfg = parse_config([PRESET, "--runs_dir", str(tmp_path / "runs"), "--actor.model_name_or_path",
                         fake_model(tmp_path), "--overwrite"])
     prepare(cfg)
-    assert sorted(os.listdir(run_dir)) == ["ckpt", "config.json", "data"] and not os.listdir(f"{run_dir}/ckpt")
+    assert sorted(os.listdir(run_dir)) == [LOCK_FILE, "ckpt", "config.json", "data"]
+    assert not os.listdir(f"{run_dir}/ckpt")
 
 
 def test_load_enable_without_a_checkpoint_starts_a_new_run_and_says_so(tmp_path, capsys):
@@ -115,3 +122,101 @@ def test_a_dry_run_writes_nothing(tmp_path):
          str(work / "runs"), "--train.agent_func_path", str(work / "agents" / "agent.py")],
         capture_output=True, text=True, timeout=120, cwd=work, env={**env, "TMPDIR": str(work / "tmp")})
     assert proc.returncode == 0 and sorted(os.walk(work)) == before, (proc.stderr[-2000:], sorted(os.walk(work)))
+
+
+def _dry_run_steps(tmp_path) -> dict:
+    """The built-in task's train prompts and seed, as a checkpoint of this config records them."""
+    cfg = parse_config([PRESET, "--runs_dir", str(tmp_path / "elsewhere"), "--dry_run"])
+    _, train_rows, _, _ = prepare(cfg)
+    return {"num_prompts": len(train_rows), "seed": cfg.train.seed}
+
+
+def test_one_run_per_run_folder_a_live_runs_folder_is_refused_a_dead_runs_is_not(tmp_path):
+    """Two runs with the same --run_name at once wrote their steps into one metrics.jsonl and replaced each other's
+    model; the second is refused now, --overwrite included, while the first lives; once it died, a resume starts."""
+    import signal
+
+    data = _dry_run_steps(tmp_path)
+    flags = [PRESET, "--runs_dir", str(tmp_path / "runs"), "--actor.model_name_or_path", fake_model(tmp_path),
+             "--no-progress"]
+    # The first run as the CLI is when it starts its actors: prepare() has returned, the process lives on.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from openrlhf_async.cli.train_async import prepare; "
+         "from openrlhf_async.config import parse_config; prepare(parse_config(sys.argv[1:])); "
+         "print('started', flush=True); sys.stdin.read()", *flags],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "started\n", holder.communicate()[1][-2000:]
+        run_dir = tmp_path / "runs" / "run"
+        records = '{"step": 0}\n{"step": 1}\n'
+        (run_dir / "metrics.jsonl").write_text(records)  # what the first run has logged so far
+        (run_dir / "ckpt" / "step_1").mkdir(parents=True)
+        (run_dir / "ckpt" / "step_1" / "trainer_state.json").write_text(json.dumps(
+            {"step": 1, "weight_version": 1, "eval_start": None, "data_position": {"frontier": 8}, "data": data}))
+        refusal = (f"error: --run_name run (--runs_dir {tmp_path / 'runs'}): the run folder {run_dir} is in use by a "
+                   f"running run (pid {holder.pid}); wait for it to end, or choose another --run_name or --runs_dir")
+        for extra in (["--overwrite"], ["--ckpt.load_enable"], ["--dry_run"]):
+            second = subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", *flags, *extra],
+                                    capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+            assert (second.returncode, second.stderr.strip()) == (2, refusal), (extra, second.stderr[-2000:])
+            assert (run_dir / "metrics.jsonl").read_text() == records and (run_dir / "ckpt" / "step_1").is_dir()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no clean-up of any kind: the kernel drops the lock
+        holder.communicate()
+    resume = [*flags, "--ckpt.load_enable"]
+    assert main([*resume, "--dry_run"]) == 0
+    assert prepare(parse_config(resume))[3][1]["step"] == 1  # a real start takes the folder
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder on a read-only file system (root ignores permission bits, not a read-only mount)."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("case", ["output_dir read-only", "runs_dir read-only", "ckpt.path read-only",
+                                  "run folder is a file", "run_name 300 characters", "tensorboard_dir under a file"])
+def test_a_folder_the_run_cannot_write_is_refused_by_the_dry_run_and_at_start_naming_its_flag(tmp_path, request,
+                                                                                           capsys, case):
+    """Such a run passed the dry run, trained to the end and lost its model in a traceback (OSError: [Errno 30]
+    Read-only file system), or failed on its first record."""
+    runs, name = tmp_path / "runs", "run"
+    read_only = request.getfixturevalue("read_only_dir") if "read-only" in case else None
+    (tmp_path / "a_file").write_text("")
+    flags, expected = {
+        "output_dir read-only": (["--ckpt.output_dir", f"{read_only}/final"],
+                                 f"--ckpt.output_dir {read_only}/final: cannot write there (Read-only file system); "
+                                 "choose a writable --ckpt.output_dir"),
+        "runs_dir read-only": ([], f"--runs_dir {read_only}: cannot write there (Read-only file system); choose a "
+                                   "writable --runs_dir"),
+        "ckpt.path read-only": (["--ckpt.save_steps", "1", "--ckpt.path", str(read_only)],
+                                f"--ckpt.path {read_only}: cannot write there (Read-only file system); choose a "
+                                "writable --ckpt.path"),
+        "run folder is a file": ([], f"--run_name: the run folder {runs / name}: {runs / name} is a file, not a "
+                                     "folder; choose another --run_name or --runs_dir"),
+        "run_name 300 characters": (["--run_name", "r" * 300],
+                                    f"--run_name: the run folder {runs / ('r' * 300)}: cannot write there (File name "
+                                    "too long); choose another --run_name or --runs_dir"),
+        "tensorboard_dir under a file": (["--logger.tensorboard_dir", f"{tmp_path}/a_file/tb"],
+                                         f"--logger.tensorboard_dir {tmp_path}/a_file/tb: {tmp_path}/a_file is a file, "
+                                         "not a folder; choose a writable --logger.tensorboard_dir"),
+    }[case]
+    if case == "runs_dir read-only":
+        runs = read_only
+    elif case == "run folder is a file":
+        runs.mkdir()
+        (runs / name).write_text("")
+    flags = [PRESET, "--runs_dir", str(runs), "--actor.model_name_or_path", fake_model(tmp_path), *flags]
+    before = sorted(os.walk(tmp_path))
+    assert main([*flags, "--dry_run"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {expected}"
+    assert sorted(os.walk(tmp_path)) == before, "the dry run left something behind"
+    with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
+        prepare(parse_config(flags))  # a real start, before any actor

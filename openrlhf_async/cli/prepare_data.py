@@ -4,7 +4,8 @@
 Input: a Parquet, JSONL or JSON file, or a folder of them (a Hugging Face snapshot: data/*.parquet), every one
 converted. Output: <output>/<dataset>.jsonl with {"prompt", "label", "id", "source"} rows (data/formats.py), then a
 summary and a final JSON line with the counts. A bad row (no label, a prompt that is not text, a line that is not
-JSON) is skipped and counted, and the summary names the first."""
+JSON, a label that is a list, an object, a boolean or NaN) is skipped and counted, and the summary names the first;
+so is a file of a folder that is in another schema or unreadable, with a warning (no file that fits: an error)."""
 
 import argparse
 import json
@@ -73,16 +74,25 @@ def read_batches(path: str):
 
 
 def convert_files(args, files: list, out_path: str):
-    from openrlhf_async.data.formats import Converter, FormatError, detect_schema
+    from openrlhf_async.data.formats import Converter, detect_schema
 
     converter = Converter(args.dataset, args.instruction, args.system_prompt, args.dedup, args.max_samples)
+    counts = converter.counts
     with open(out_path, "w", encoding="utf-8") as out:
         for path in files:
-            columns, batches = read_batches(path)
             try:
+                columns, batches = read_batches(path)
                 schema = detect_schema(args.dataset, columns)
-            except FormatError as e:
-                raise ValueError(f"--input {path}: {e}") from None
+            except ValueError as e:  # FormatError too: a file of a folder that is no such dataset; the others may be
+                reason = str(e) if str(e).startswith("--input ") else f"--input {path}: {e}"
+                counts.files_skipped += 1
+                counts.first_skipped_file = counts.first_skipped_file or reason
+                if counts.files_skipped == len(files):
+                    raise ValueError(reason if len(files) == 1 else
+                                     f"no file of the {len(files)} in --input {args.input} fits; the first: "
+                                     f"{counts.first_skipped_file}") from None
+                print(f"warning: {reason}; skipped", file=sys.stderr, flush=True)
+                continue
             for batch in batches:
                 for row in converter.convert(schema, batch):
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -117,11 +127,14 @@ def main(argv=None) -> int:
           + (f", {counts.non_math_dropped} non-math rows" if counts.non_math_dropped else "")
           + f", skipped {counts.bad_rows_skipped} bad rows"
           + (f" (the first is row {counts.first_bad_row}, which {counts.first_bad_reason})"
-             if counts.bad_rows_skipped else ""))
+             if counts.bad_rows_skipped else "")
+          + (f"; skipped {counts.files_skipped} file(s) (the first: {counts.first_skipped_file})"
+             if counts.files_skipped else ""))
     print(json.dumps({"dataset": args.dataset, "rows_read": counts.rows_read, "written": counts.written,
                       "duplicates_dropped": counts.duplicates_dropped, "label_conflicts": counts.label_conflicts,
                       "bad_rows_skipped": counts.bad_rows_skipped, "first_bad_row": counts.first_bad_row,
-                      "non_math_dropped": counts.non_math_dropped, "output": out_path}))
+                      "non_math_dropped": counts.non_math_dropped, "files_skipped": counts.files_skipped,
+                      "output": out_path}))
     return 0
 
 

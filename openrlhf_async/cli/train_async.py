@@ -8,16 +8,27 @@ import tempfile
 
 
 def prepare(cfg):
-    """Resolve the model, agent, reward, datasets and the checkpoint to resume from, and check them, all before
-    any actor starts. A dry run writes nothing and builds nothing.
+    """Resolve the model, agent, reward, datasets and the checkpoint to resume from, and check them and the folders
+    the run writes, all before any actor starts; a real start takes the run folder's lock (utils/run_folder.py). A
+    dry run writes nothing and builds nothing.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
-    from openrlhf_async.config import ConfigError, default_cache_dir, is_gguf, resolve_steps, to_dict, validate
+    from openrlhf_async.config import (ConfigError, check_local_cores, default_cache_dir, is_gguf, resolve_steps,
+                                       to_dict, validate)
     from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
     from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
+    from openrlhf_async.utils import run_folder
     from openrlhf_async.utils.user_files import check_user_file
 
     validate(cfg)
+    check_local_cores(cfg)  # on cpu without a Ray cluster, the ranks need this machine's cores
+    run_folder.check_folders(cfg)  # a folder the run cannot write fails now, not after training
+    # One run per run folder: a real start holds its lock from here (before its records are read or deleted) to the
+    # end of the process; a dry run only checks that no live run holds it.
+    if cfg.dry_run:
+        run_folder.check_free(cfg)
+    else:
+        run_folder.hold(cfg)
     resume = find_resume(cfg)  # also refuses a fresh run over an earlier run's records
     try:  # import and check the user's files here, so a broken one fails before any engine starts
         if cfg.agent.func_path:
@@ -84,11 +95,12 @@ def load_datasets(cfg, builtin_dir: str):
         if not cfg.eval.dataset:
             cfg.eval.dataset, eval_keys = eval_path, train_keys
     train_rows = load_prompts(cfg.data.prompt_dataset, *train_keys, "--data.prompt_dataset", cfg.data.max_samples,
-                              split=cfg.data.prompt_split, probs=cfg.data.prompt_probs, seed=cfg.train.seed)
+                              split=cfg.data.prompt_split, probs=cfg.data.prompt_probs, seed=cfg.train.seed,
+                              max_len=cfg.data.max_len)
     eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
     if cfg.eval.dataset:
         eval_rows = load_prompts(cfg.eval.dataset, *eval_keys, "--eval.dataset", cfg.eval.max_samples,
-                                 split=cfg.eval.split)
+                                 split=cfg.eval.split, max_len=cfg.data.max_len)
     return train_rows, eval_rows
 
 

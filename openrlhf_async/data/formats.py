@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from openrlhf_async.data.prompts import BadLine, as_prompt
+from openrlhf_async.data.prompts import BadLine, as_prompt, label_problem, label_text
 
 DATASETS = ("dapo-math-17k", "aime24", "skywork-or1")
 
@@ -85,6 +85,8 @@ class Counts:
     first_bad_row: Optional[int] = None
     first_bad_reason: str = ""
     non_math_dropped: int = 0
+    files_skipped: int = 0  # files of a folder in no schema of the dataset, or unreadable
+    first_skipped_file: str = ""  # the first of them and why
 
 
 class Converter:
@@ -153,7 +155,7 @@ class Converter:
             truth = reward.get("ground_truth") if isinstance(reward, dict) else None
             answers = _skywork_answers(truth) if self.dataset == "skywork-or1" and truth is not None else [truth]
             if self.dataset == "skywork-or1":
-                extra["answers"] = [str(a) for a in answers]
+                extra["answers"] = [label_text(a) for a in answers if label_problem(a) is None]
             prompt, label = row.get("prompt"), answers[0] if answers else None
             info = row.get("extra_info")
             row_id = info.get("index") if isinstance(info, dict) else None
@@ -162,12 +164,15 @@ class Converter:
             problem_key, answer_key = SCHEMAS[schema][0]
             prompt, label, row_id = row.get(problem_key), row.get(answer_key), row.get(PLAIN_ID[schema])
             source = SCHEMAS[schema][1]
-        if label is None or str(label).strip() == "":
+        problem = label_problem(label)
+        if problem == "empty":
             return "has no ground truth answer"
+        if problem:
+            return f"has a ground truth answer that is {problem}"
         prompt = as_prompt(prompt)
         if prompt is None:
             return "has a prompt that is neither text nor chat messages with a user turn"
-        return {"prompt": self._render(prompt), "label": str(label).strip(),
+        return {"prompt": self._render(prompt), "label": label_text(label).strip(),
                 "id": str(row_id) if row_id is not None else f"{self.dataset}-{index}", "source": str(source), **extra}
 
     def _render(self, prompt):

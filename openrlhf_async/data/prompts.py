@@ -2,8 +2,10 @@
 here or any other source read by data/sources.py; their tokenisation; the sampler's epoch order."""
 
 import json
+import math
 import os
 import random
+import reprlib
 import string
 import sys
 
@@ -97,42 +99,85 @@ def as_prompt(value):
     return messages
 
 
+def label_problem(value):
+    """What is wrong with a dataset label, or None: a label is text or a number, as the reward reads it. A list, an
+    object or a boolean would become its Python spelling ("[4]", "True") that no answer matches, and NaN or inf is
+    a table's missing value, so such a row is skipped (and counted) rather than trained on a label nothing earns."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "empty"
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        kind = {bool: "a boolean", list: "a list", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
+        return f"{kind} ({reprlib.repr(value)}), not text or a number: store it as text"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} (a missing value?), not text or a number"
+    return None
+
+
+def label_text(value) -> str:
+    """A label that passed label_problem, as text."""
+    return value if isinstance(value, str) else str(value)
+
+
 def _bad_row_reason(row, input_key: str, label_key):
     keys = (input_key,) if label_key is None else (input_key, label_key)
     if not isinstance(row, dict) or any(key not in row for key in keys):
         return f"has no {' or '.join(map(repr, keys))} field"
-    if label_key is not None and (row[label_key] is None or str(row[label_key]) == ""):
+    problem = None if label_key is None else label_problem(row[label_key])
+    if problem == "empty":
         return f"has an empty {label_key!r} field"
+    if problem:
+        return f"has a {label_key!r} field that is {problem}"
     if as_prompt(row[input_key]) is None:
         return f"has a {input_key!r} field that is neither text nor chat messages with a user turn"
     return None
 
 
+# Ordinary text is a few characters per token; only long runs of one character come near this many. A prompt longer
+# than --data.max_len x this cannot fit, so it is skipped without being tokenised (a 30 MB prompt took 12 GB to).
+CHARS_PER_TOKEN_MAX = 64
+
+
+def _prompt_chars(prompt) -> int:
+    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+
+
 def load_prompts(spec: str, input_key: str, label_key, flag: str, max_samples: int = 100_000_000, *,
-                 split: str = "train", probs=None, seed: int = 42) -> list:
+                 split: str = "train", probs=None, seed: int = 42, max_len: int = None) -> list:
     """Return [{"prompt": str | [{"role", "content"}], "label": str}] from spec's comma-separated datasets (each a
     file, a folder or a Hub id, maybe name@split), concatenated, or mixed with probs (--data.prompt_probs) and seed;
-    at most max_samples from each and in all. label_key None: every label is ""."""
+    at most max_samples from each and in all. label_key None: every label is "". max_len (--data.max_len): rows
+    whose prompt is too long for it by its characters alone are skipped and counted."""
     names = dataset_names(spec, split, flag)
     probs = mixture_probs(probs, len(names))
-    parts = [_usable_rows(read_rows(name, own_split, flag, max_samples), input_key, label_key, f"{flag} {name}")
-             for name, own_split in names]
+    parts = [_usable_rows(read_rows(name, own_split, flag, max_samples), input_key, label_key, f"{flag} {name}",
+                          max_len) for name, own_split in names]
     return mix(parts, probs, seed)[:max_samples]
 
 
-def _usable_rows(rows: list, input_key: str, label_key, where: str) -> list:
-    """Rows without a label or a text prompt are skipped and reported once on stderr; an empty or wholly unusable
-    dataset is a one-line error."""
+def _usable_rows(rows: list, input_key: str, label_key, where: str, max_len: int = None) -> list:
+    """Rows without a label or a text prompt, and rows whose prompt has more than CHARS_PER_TOKEN_MAX x max_len
+    characters, are skipped and reported once each on stderr; an empty or wholly unusable dataset is a one-line
+    error."""
     if not rows:
         raise ConfigError(f"{where}: the dataset is empty")
-    out, bad, first_bad = [], 0, None
+    max_chars = max_len and max_len * CHARS_PER_TOKEN_MAX
+    out, bad, first_bad, too_long, first_long = [], 0, None, 0, None
     for i, row in enumerate(rows):
         reason = _bad_row_reason(row, input_key, label_key)
         if reason:
             bad += 1
             first_bad = first_bad or (i, reason)
             continue
-        out.append({"prompt": as_prompt(row[input_key]), "label": "" if label_key is None else str(row[label_key])})
+        prompt = as_prompt(row[input_key])
+        if max_chars and _prompt_chars(prompt) > max_chars:
+            too_long += 1
+            first_long = first_long if first_long is not None else i
+            continue
+        out.append({"prompt": prompt, "label": "" if label_key is None else label_text(row[label_key])})
+    long_text = (f"longer than {max_chars} characters, more than --data.max_len {max_len} tokens can hold (the first "
+                 f"is row {first_long})")
+    if not out and too_long:
+        raise ConfigError(f"{where}: every usable prompt is {long_text}; raise --data.max_len or give shorter prompts")
     if not out:
         raise ConfigError(f"{where}: row {first_bad[0]} {first_bad[1]}, and no row is usable "
                           f"(set --data.input_key / --data.label_key to the dataset's field names)")
@@ -140,6 +185,8 @@ def _usable_rows(rows: list, input_key: str, label_key, where: str) -> list:
         wanted = f"{input_key!r} prompt" + ("" if label_key is None else f" or {label_key!r} label")
         print(f"warning: {where}: skipped {bad} rows without a usable {wanted}; the first is row {first_bad[0]}, "
               f"which {first_bad[1]}", file=sys.stderr)
+    if too_long:
+        print(f"warning: {where}: skipped {too_long} rows whose prompt is {long_text}", file=sys.stderr)
     return out
 
 
@@ -171,6 +218,25 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_tem
     return out
 
 
+def skip_unfit_prompts(prompts: list, max_len: int, where: str, mark: bool) -> list:
+    """Tokenised prompts of max_len tokens or more leave no room for a response: they are skipped, with one warning
+    that counts them; all of them is a one-line ConfigError. mark: they stay in the list marked "too_long", which
+    PromptSampler passes over, so that the prompt stream (and a checkpoint's prompt count) stays the dataset's;
+    else they are dropped."""
+    unfit = [i for i, p in enumerate(prompts) if len(p["prompt_ids"]) >= max_len]
+    if not unfit:
+        return prompts
+    first = f"the first is prompt {unfit[0]}, of {len(prompts[unfit[0]]['prompt_ids'])} tokens"
+    if len(unfit) == len(prompts):
+        raise ConfigError(f"{where}: all {len(prompts)} prompts leave no room for a response within --data.max_len "
+                          f"{max_len} ({first}); raise --data.max_len or give shorter prompts")
+    print(f"warning: {where}: skipped {len(unfit)} of {len(prompts)} prompts that leave no room for a response "
+          f"within --data.max_len {max_len} ({first})", file=sys.stderr, flush=True)
+    if mark:
+        return [{**p, "too_long": True} if len(p["prompt_ids"]) >= max_len else p for p in prompts]
+    return [p for p in prompts if len(p["prompt_ids"]) < max_len]
+
+
 class PromptSampler:
     """An endless stream of prompts, epoch after epoch, each epoch a shuffle of the dataset seeded by (seed, epoch).
     Stream position p is row permutation(p // N)[p % N], so a position alone says which prompt it is and a resumed
@@ -180,9 +246,11 @@ class PromptSampler:
     With skip_flat > 0, a prompt whose last group's rewards were all equal (row ids in `flat`, kept up to date with
     record()) is passed over with that probability when its turn comes, a coin seeded by (seed, position) so that
     a resumed run decides the same way. A passed-over position is used up without a group; take_skipped() lists
-    them."""
+    them. Rows marked "too_long" (skip_unfit_prompts) are passed over the same way, always."""
 
     def __init__(self, rows: list, seed: int, frontier: int = 0, done=(), flat=(), skip_flat: float = 0.0):
+        if rows and all(row.get("too_long") for row in rows):
+            raise ValueError("every prompt is marked too long: no prompt to sample")
         self.rows, self.seed = rows, seed
         self.position, self.done = frontier, set(done)
         self.flat, self.skip_flat, self._skipped = set(flat), skip_flat, []
@@ -204,7 +272,8 @@ class PromptSampler:
                 self.position += 1
             position, self.position = self.position, self.position + 1
             row_id = self.row_id(position)
-            if (row_id in self.flat and self.skip_flat
+            if self.rows[row_id].get("too_long") or (
+                    row_id in self.flat and self.skip_flat
                     and random.Random(f"{self.seed}:skip:{position}").random() < self.skip_flat):
                 self._skipped.append((position, row_id))
                 continue

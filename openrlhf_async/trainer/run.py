@@ -1,6 +1,7 @@
 """The run driver: prompts tokenised, the engine fleet, policy ranks and the weight-sync group started, then the
 pipeline (trainer/pipeline.py) run in the configured mode (and restarted from the newest checkpoint when an actor of
-the trainer side dies), the run's pictures drawn and its summary written."""
+the trainer side dies), the model saved (also when the run stops on an error after training), the run's pictures drawn
+and its summary written."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import time
 
 from openrlhf_async.data.prompts import tokenize_prompts
 from openrlhf_async.utils.ray_utils import get_all
+
+RANKS_ANSWER_S = 120  # how long a stopped run waits for its policy ranks before giving up keeping its model
 
 
 def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) -> dict:
@@ -23,11 +26,12 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
     train_prompts = tokenize_prompts(tokenizer, train_rows, cfg.data.apply_chat_template, cfg.data.input_template)
     eval_prompts = tokenize_prompts(tokenizer, eval_rows, cfg.data.apply_chat_template, cfg.data.input_template)
-    too_long = [i for i, p in enumerate(train_prompts) if cfg.budget(len(p["prompt_ids"])) < 1]
-    if too_long:
-        raise ValueError(f"--data.max_len {cfg.data.max_len}: prompt {too_long[0]} leaves no room for a response "
-                         f"(--rollout.max_new_tokens {cfg.rollout.max_new_tokens}); raise --data.max_len or drop "
-                         "long prompts")
+    from openrlhf_async.data.prompts import skip_unfit_prompts
+
+    # Prompts too long for a response are skipped and counted (all of them: a one-line error); the training ones
+    # stay in the stream, marked, so a checkpoint's prompt count is the dataset's.
+    train_prompts = skip_unfit_prompts(train_prompts, cfg.data.max_len, "--data.prompt_dataset", mark=True)
+    eval_prompts = skip_unfit_prompts(eval_prompts, cfg.data.max_len, "--eval.dataset", mark=False)
 
     fleet = start_fleet(cfg, model_path)  # engines and ranks start side by side
     policy = PolicyGroup(cfg, model_path)
@@ -36,8 +40,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
         setup_s = time.perf_counter() - start
         result, resumed, policy = _run_pipeline(cfg, model_path, fleet, policy, tokenizer, train_prompts,
                                                 eval_prompts, resume)
-        output_dir = cfg.output_dir
-        get_all(policy.call("save_hf", output_dir))
+        output_dir = save_model(cfg, policy)
     finally:
         ray.get(fleet.shutdown.remote())
         ray.kill(fleet)
@@ -93,18 +96,66 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
         log = MetricsLog(cfg.run_dir, cfg.train.max_steps, progress=cfg.progress, logger=cfg.logger, config=cfg,
                          resume_step=resumed and resumed["step"],
                          samples=SampleText(tokenizer, train_prompts + eval_prompts))
+        pipeline = None
         try:
-            result = PPOTrainerAsync(cfg, None, policy, weight_sync, train_prompts, eval_prompts, resumed).run(log.log)
+            pipeline = PPOTrainerAsync(cfg, None, policy, weight_sync, train_prompts, eval_prompts, resumed)
+            result = pipeline.run(log.log)
             return {**result, "auto_resumes": auto_resumes}, resumed, policy
         except Exception as error:
             resume = _auto_resume(cfg, error, auto_resumes)
             if resume is None:
+                _keep_trained_model(cfg, policy, pipeline, log, resumed)
                 raise
             auto_resumes += 1
         finally:
             log.close()
         policy.shutdown()
         policy = PolicyGroup(cfg, model_path)
+
+
+def save_model(cfg, policy) -> str:
+    """Save the policy in HF format to --ckpt.output_dir, or, when that fails (a full or read-only disk), to
+    <run dir>/final_hf with a warning, rather than lose it; returns where it went."""
+    from openrlhf_async.utils.metrics import warn
+    from openrlhf_async.utils.ray_utils import actor_died, root_cause
+
+    try:
+        get_all(policy.call("save_hf", cfg.output_dir))
+        return cfg.output_dir
+    except Exception as error:
+        fallback = os.path.join(cfg.run_dir, "final_hf")
+        if actor_died(error) or os.path.abspath(fallback) == os.path.abspath(cfg.output_dir):
+            raise
+        warn(f"--ckpt.output_dir {cfg.output_dir}: the model could not be saved there ({root_cause(error)}; what it "
+             f"wrote there is incomplete); saving it in the run folder instead: {fallback}")
+    get_all(policy.call("save_hf", fallback))
+    return fallback
+
+
+def _keep_trained_model(cfg, policy, pipeline, log, resumed) -> None:
+    """A run stopping on an error after it trained a step saves the policy as trained so far (save_model) when its
+    ranks still answer, and says where and at which step."""
+    from openrlhf_async.utils.metrics import warn
+    from openrlhf_async.utils.ray_utils import root_cause
+
+    if pipeline is not None:
+        try:  # the records of the steps trained before the failure, still queued (the pipeline stopped on its error)
+            pipeline._drain_metrics(log.log)
+        except Exception:
+            pass
+    step = log.last_step
+    if step <= (resumed["step"] if resumed else 0):
+        return  # nothing trained since the start (or the checkpoint it resumed from holds it)
+    try:
+        # Ranks still busy with a step the stopped trainer gave them answer when it is done; a dead one fails at once.
+        get_all([actor.ready.remote() for actor in policy.actors], timeout_s=RANKS_ANSWER_S)
+        where = save_model(cfg, policy)
+    except Exception as error:
+        warn(f"the run stopped on an error after step {step}; the model trained so far could not be saved "
+             f"({root_cause(error)})")
+        return
+    warn(f"the run stopped on an error after step {step} of {cfg.train.max_steps}: the model as trained to step "
+         f"{step} is saved in {where}")
 
 
 def _auto_resume(cfg, error: Exception, done: int):

@@ -61,6 +61,7 @@ class MetricsLog:
             _open_record(os.path.join(run_dir, name), resume_step)
             for name in ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl", "samples.jsonl"))
         self.samples = samples
+        self.last_step = resume_step or 0  # the newest step in the records: what a stopped run had trained
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -95,6 +96,8 @@ class MetricsLog:
 
     def log(self, metrics: dict) -> None:
         step = metrics.get("step")
+        if step is not None:
+            self.last_step = max(self.last_step, step)
         used, spans, episodes = metrics.pop("_used", None), metrics.pop("_spans", ()), metrics.pop("_samples", {})
         if used is not None:
             self.used_file.write(json.dumps({"step": step, **used}) + "\n")

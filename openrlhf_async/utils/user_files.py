@@ -1,5 +1,6 @@
 """Users' .py files (agents, reward functions), imported by path with a one-line error naming their flag."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -10,9 +11,20 @@ import sys
 IMPORT_TIMEOUT_S = 60.0  # how long a user file may take to import in check_user_file's child process
 
 # Run by check_user_file in a child Python: import the file, then write how it went to the pipe fd it was given.
+# The child has a session of its own (a timeout kills it all), so a signal that ends the parent (SIGTERM, Ctrl-C)
+# does not reach it: a watchdog thread kills its process group, whatever the file started included, once the
+# parent is gone (the GIL lets the thread run beside a file looping at import).
 _CHILD = """
-import importlib.util, json, os, sys
+import importlib.util, json, os, signal, sys, threading, time
 path, name, fd, sys.path[:] = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+parent = int(sys.argv[5])
+
+def die_with_parent():
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os.killpg(0, signal.SIGKILL)
+
+threading.Thread(target=die_with_parent, daemon=True).start()
 try:
     spec = importlib.util.spec_from_file_location(name, path)
     sys.modules[name] = module = importlib.util.module_from_spec(spec)
@@ -45,8 +57,9 @@ def check_user_file(path: str, flag: str, contract: str, error: type, prefix: st
         try:
             child = subprocess.Popen(
                 [sys.executable, "-B", "-c", _CHILD, path, _module_name(path, prefix), str(write_fd),
-                 json.dumps(sys.path)], pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True)  # its own process group: a timeout kills it all
+                 json.dumps(sys.path), str(os.getpid())], pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)  # its own process group: a timeout kills it all
         finally:
             os.close(write_fd)
         try:
@@ -56,6 +69,11 @@ def check_user_file(path: str, flag: str, contract: str, error: type, prefix: st
             child.wait()
             raise error(f"{flag} {path}: did not finish importing within {IMPORT_TIMEOUT_S:g} s (a loop or a "
                         "blocking call at module level?); keep slow work out of import") from None
+        except BaseException:  # Ctrl-C, or a signal handler's exception: the check ends with its caller
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise
         os.set_blocking(read_fd, False)
         try:
             verdict = os.read(read_fd, 4096).decode(errors="replace")
