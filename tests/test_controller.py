@@ -461,13 +461,92 @@ def test_carried_over_groups_of_an_engine_that_died_between_batches_are_rerouted
     assert list(c.balancer.loads.values()) == [0, 0] and dying.calls_after_death == 0 and not live.running
 
 
-def test_a_batch_that_cannot_fill_stops_with_a_clear_error():
-    labels = [{"delay": 0.0, "scores": FLAT}] * 200
-    with pytest.raises(RuntimeError, match="none of [0-9]+ finished groups passed the dynamic-sampling filter"):
-        _controller([FakeEngine()]).run(_source(labels), target=2)
+def _starving(**algo):
+    """Settings for starvation tests: batches of 4 groups, a bound of 2 batches' worth (8 groups judged)."""
+    return {"dynamic_filtering_max_num_gen_batches": 2, **algo}
+
+
+@pytest.mark.parametrize("rollout", [{}, {"unbiased_early_stop": True}, {"early_stop": False}],
+                         ids=["early_stop", "unbiased", "waves"])
+def test_a_starved_batch_does_what_the_flag_says_after_its_bound_of_groups(rollout):
+    # The task is learned: 3 groups still vary, every later one is flat. The batch wants 4 and may judge 8.
+    labels = [{"delay": 0.0, "scores": VALID}] * 3 + [{"delay": 0.0, "scores": FLAT}] * 100
+    outcomes = {}
+    for action in ("partial", "fill", "stop"):
+        c = _controller([FakeEngine()], rollout=rollout, algo=_starving(dynamic_filtering_on_starved=action))
+        outcomes[action] = c.run(_source(labels), target=4)
+        assert list(c.balancer.loads.values()) == [0]
+    for action, (groups, m) in outcomes.items():
+        assert m["rollout/groups_started"] == 8 and m["rollout/groups_finished"] == 8, action
+        assert m["rollout/starved_batches"] == 1
+    partial, m = outcomes["partial"]
+    assert [g[0].prompt_ids[0] for g in partial] == [0, 1, 2] and m["rollout/groups_missing"] == 1
+    assert m["rollout/groups_accepted"] == 3 and m["rollout/groups_flat_filled"] == 0
+    assert m["rollout/starved_reason"] == ("the task is solved: 5 of the last 8 groups were flat (every sample "
+                                           "scored the same; mean score 1) and 3 of the 4 groups wanted varied, "
+                                           f"after {m['rollout/time_to_batch_s']:.0f} s")
+    filled, m = outcomes["fill"]
+    assert [[ep.score for ep in g] for g in filled] == [VALID] * 3 + [FLAT]
+    assert m["rollout/groups_flat_filled"] == 1 and m["rollout/groups_missing"] == 0 and "rollout/stop_reason" not in m
+    stopped, m = outcomes["stop"]
+    assert stopped == [] and m["rollout/stop_reason"].startswith("the task is solved: 5 of the last 8 groups")
+    assert "rollout/starved_reason" not in m
+
+
+def test_partial_with_no_valid_group_stops_the_run_and_a_full_batch_is_never_starved():
+    c = _controller([FakeEngine()], algo=_starving())
+    flat = [{"delay": 0.0, "scores": [0.0, 0.0]}] * 100
+    groups, m = c.run(_source(flat), target=4)
+    assert groups == [] and m["rollout/groups_started"] == 8
+    # Nothing but zeros seen: flat says nothing about solved or out of reach.
+    assert m["rollout/stop_reason"].startswith("the policy's scores no longer vary: 8 of the last 8 groups")
+    c.score_range = (0.0, 1.0)  # the run has seen both
+    _, m = c.run(_source(flat), target=4)
+    assert m["rollout/stop_reason"].startswith("the prompts are out of the policy's reach: 8 of the last 8")
+    # The default bound, 10 batches' worth: 15 flat groups before the valid ones still make a full batch.
+    late = [{"delay": 0.0, "scores": FLAT}] * 15 + [{"delay": 0.0, "scores": VALID}] * 10
+    groups, m = _controller([FakeEngine()]).run(_source(late), target=2)
+    assert len(groups) == 2 and m["rollout/starved_batches"] == 0 and "rollout/starved_reason" not in m
+    assert m["rollout/groups_started"] <= 20
+    # Agents that fail are an error, reported before the batch starves.
     failing = [{"delay": 0.0, "scores": FLAT, "error": ("error", "ValueError: tool down")}] * 200
-    with pytest.raises(AgentFailureError, match="tool down"):  # stops before the filter gives up
+    with pytest.raises(AgentFailureError, match="tool down"):
         _controller([FakeEngine()], agent=dict(max_error_ratio=0.5)).run(_source(failing), target=2)
+
+
+def test_a_time_bound_starves_a_slow_batch_and_aborts_what_still_runs():
+    engine = FakeEngine()
+    labels = [{"delay": 0.01, "scores": VALID}] + [{"delay": 30, "scores": VALID}] * 10
+    c = _controller([engine], rollout=dict(vllm_generate_batch_size=4),
+                    algo=_starving(dynamic_filtering_max_wait_s=0.3))
+    groups, m = c.run(_source(labels), target=4)
+    assert len(groups) == 1 and m["rollout/starved_batches"] == 1 and m["rollout/time_to_batch_s"] < 5
+    assert m["rollout/groups_aborted"] == 3 and len(engine.aborted) == 3 and list(c.balancer.loads.values()) == [0]
+    assert "after 0 s" in m["rollout/starved_reason"]
+    # Without dynamic sampling nothing starves: a slow batch is waited for.
+    _, m = _controller([FakeEngine()], algo={**NO_FILTER, "dynamic_filtering_max_wait_s": 0.05}).run(
+        _source([{"delay": 0.2, "scores": VALID}] * 4), target=4)
+    assert m["rollout/starved_batches"] == 0 and m["rollout/groups_accepted"] == 4
+
+
+def test_with_carry_over_a_starved_batch_counts_groups_judged_and_carries_the_running_ones():
+    engine = FakeEngine()
+    c = _controller([engine], rollout=dict(vllm_generate_batch_size=8), algo=_starving(), carry_over=True)
+    labels = ([{"delay": 0.0, "scores": VALID}] + [{"delay": 0.0, "scores": FLAT}] * 7
+              + [{"delay": 0.2, "scores": VALID}] * 400)
+
+    async def two_batches():
+        source = _source(labels)
+        first = await c.run_async(source, target=4)
+        carried = len(c.carried)
+        return first, carried, await c.run_async(source, target=4)
+
+    (g1, m1), carried, (g2, m2) = asyncio.run(two_batches())
+    assert len(g1) == 1 and m1["rollout/starved_batches"] == 1 and m1["rollout/groups_finished"] == 8
+    assert carried == m1["rollout/groups_carried_out"] > 0 and m1["rollout/groups_aborted"] == 0
+    assert len(g2) == 4 and m2["rollout/starved_batches"] == 0, "the slow valid groups fill the next batch"
+    c.close()
+    assert list(c.balancer.loads.values()) == [0] and not engine.running
 
 
 def test_a_batch_of_several_rollouts_adds_up_their_counters():
@@ -553,3 +632,131 @@ def test_carry_over_keeps_every_allowed_group_in_flight_and_the_balancer_counts_
     monkeypatch.setenv("OPENRLHF_ASYNC_NUM_TASKS", "12")
     assert vllm.concurrency() == 12
     assert _controller([FakeEngine()], vllm={"max_concurrency": 100}).balancer.capacity == 12
+
+
+class LearningEngine(FakeEngine):
+    """A policy that learns its task: every group after the first `solved_after` scores 1.0 on every sample."""
+
+    def __init__(self, solved_after: int):
+        super().__init__()
+        self.solved_after = solved_after
+
+    async def generate_group(self, prompt_ids, label, *args, **kwargs):
+        if len(self.started) >= self.solved_after:
+            label = {**label, "scores": [1.0] * len(label["scores"])}
+        return await super().generate_group(prompt_ids, label, *args, **kwargs)
+
+
+class _ThreadQueue:
+    """ray.util.queue.Queue's calls, between two threads of one process."""
+
+    def __init__(self):
+        import queue
+
+        self.items = queue.Queue()
+
+    def qsize(self):
+        return self.items.qsize()
+
+    def put(self, item, timeout=None):
+        self.items.put(item)
+
+    def get(self, timeout=None):
+        import queue
+
+        from ray.util.queue import Empty
+
+        try:
+            return self.items.get(timeout=timeout)
+        except queue.Empty:
+            raise Empty from None
+
+
+class _Sync:
+    """The weight sync's calls without engines: a sync is a new version."""
+
+    def __init__(self):
+        self.engines, self.version, self.engine_version, self.fleet, self.engines_dropped = [], 0, 0, None, 0
+
+    def catch_up(self):
+        return 0
+
+    def sync(self, pause_mode=None):
+        self.version = self.engine_version = self.version + 1
+
+
+def _starving_run(monkeypatch, action, mode="sync", solved_after=6, *flags):
+    """GenerateSamplesActor and TrainingActor in-process (a thread each; a fake engine whose policy learns the task
+    after `solved_after` groups; a timed stand-in for the optimizer step) over 6 steps of 2 groups, the starvation
+    bound at 2 batches' worth. Returns (the trainer's summary, its step records, the generator's result)."""
+    import threading
+
+    import ray.util.queue  # noqa: F401 (imported by both threads at once, Ray's import fails)
+
+    from openrlhf_async.trainer import pipeline
+
+    sync = _Sync()
+    monkeypatch.setattr(pipeline, "_live_version", lambda engines: sync.version)
+    cfg = preset_config("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4",
+                        "--rollout.vllm_generate_batch_size", "2", "--train.max_steps", "6", "--ckpt.save_steps", "-1",
+                        "--algo.dynamic_filtering_max_num_gen_batches", "2", "--algo.dynamic_filtering_on_starved",
+                        action, "--mode", mode, *flags)
+    prompts = [{"prompt_ids": [i], "label": {"delay": 0.0, "scores": VALID}} for i in range(20)]
+    queue, logged = _ThreadQueue(), _ThreadQueue()
+    generator = pipeline.GenerateSamplesActor(cfg, [LocalHandle(LearningEngine(solved_after))], prompts, queue)
+    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), sync, queue, logged, [],
+                                     num_prompts=len(prompts), stand_in_train_s=0.0)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(generator.run(cfg.train.max_steps)))
+    thread.start()
+    try:
+        summary = trainer.run()
+    finally:
+        generator.stop()
+        thread.join(timeout=30)
+    steps = [logged.items.get() for _ in range(logged.qsize())]
+    return summary, steps, result
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_whose_task_is_learned_ends_as_the_flag_says(monkeypatch, mode):
+    # Groups 1-6 vary (3 full steps), then every group is flat: step 4 starves after judging 4 groups.
+    summary, steps, result = _starving_run(monkeypatch, "stop", mode)
+    assert summary["stopped_early"]["step"] == 4 and [m["step"] for m in steps] == [1, 2, 3]
+    assert summary["stopped_early"]["reason"].startswith("the task is solved: 4 of the last 4 groups were flat")
+    assert result["stopped_early"] == summary["stopped_early"]["reason"] and summary["starved_batches"] == 0
+    # partial: a step with one valid group trains on it; with none the run ends as with stop.
+    summary, steps, _ = _starving_run(monkeypatch, "partial", mode, 7)
+    assert summary["stopped_early"]["step"] == 5 and [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m["rollout/groups_accepted"] for m in steps] == [2, 2, 2, 1]
+    assert [m["rollout/starved_batches"] for m in steps] == [0, 0, 0, 1] and summary["starved_batches"] == 1
+    assert steps[-1]["rollout/groups_missing"] == 1 and steps[-1]["rollout/groups_started"] == 4
+    assert "1 of the 2 groups wanted varied" in steps[-1]["rollout/starved_reason"]
+    # fill: the run goes on to its last step, each starved batch topped up with flat groups (counted).
+    summary, steps, _ = _starving_run(monkeypatch, "fill", mode, 7)
+    assert summary["stopped_early"] is None and [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    assert [m["rollout/groups_flat_filled"] for m in steps] == [0, 0, 0, 1, 2, 2]
+    assert all(m["rollout/groups_accepted"] == 2 for m in steps) and summary["groups_flat_filled"] == 5
+
+
+def test_a_prompt_set_all_flat_and_set_aside_ends_the_run_when_starvation_stops_it():
+    from openrlhf_async.trainer.pipeline import GenerateSamplesActor
+
+    prompts = [{"prompt_ids": [i], "label": {"delay": 0.0, "scores": FLAT}} for i in range(3)]
+
+    def first_batch(action, skip):
+        cfg = preset_config("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.batch_size",
+                            "4", "--rollout.skip_flat_prompts", skip, "--algo.dynamic_filtering_on_starved", action)
+        return GenerateSamplesActor(cfg, [LocalHandle(FakeEngine())], prompts, queue=None)._batch(target_version=0)
+
+    groups, metrics, _, flat = first_batch("stop", "0.5")
+    assert groups == [] and {row for row, is_flat in flat if is_flat} == {0, 1, 2}
+    assert len(flat) < 20, "it ends once every prompt is flat, before the starvation bound"
+    assert metrics["rollout/stop_reason"] == ("the whole prompt set is solved: the last group of each of its 3 "
+                                              "prompts was flat")
+    # Without setting flat prompts aside, or with a flag that goes on while it can, the prompts keep coming back
+    # until the starvation bound (10 batches' worth) ends the batch.
+    for action, skip in (("stop", "0"), ("partial", "0.5")):
+        groups, metrics, _, _ = first_batch(action, skip)
+        assert groups == [] and metrics["rollout/groups_started"] == 20 and metrics["rollout/starved_batches"] == 1
+        assert metrics["rollout/stop_reason"].startswith("the policy's scores no longer vary: 20 of the last 20")

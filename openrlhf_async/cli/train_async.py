@@ -191,7 +191,8 @@ def main(argv=None) -> int:
                 f"{summary['eval_accuracy_end']:.3f}"
                 + ("" if k == 1 else f", pass@{k} {summary['eval_start'][f'eval/pass@{k}']:.3f} -> "
                                      f"{summary['eval_end'][f'eval/pass@{k}']:.3f}"))
-    print(f"{accuracy} after {summary['steps']} steps in {summary['wall_s']:.0f} s; "
+    early = summary["stopped_early"] and f" of {cfg.train.max_steps} ({summary['stopped_early']['reason']})"
+    print(f"{accuracy} after {summary['steps']} steps{early or ''} in {summary['wall_s']:.0f} s; "
           + ", ".join(["metrics.jsonl"] + [os.path.basename(p) for p in summary["pictures"]])
           + f" in {cfg.run_dir}; model in {summary['checkpoint']}")
     return 0

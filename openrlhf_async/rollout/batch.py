@@ -7,7 +7,10 @@ rule, chosen once per controller from the config:
 - UnbiasedEarlyStop: the first `target` valid groups in start order, so long groups started early are waited
   for rather than passed over for quicker ones.
 - Waves (no early stop, the usual dynamic sampling): a whole wave of prompts is generated and waited for, then
-  filtered, and another wave starts until enough groups are valid."""
+  filtered, and another wave starts until enough groups are valid.
+
+Whatever the rule, dynamic sampling cannot starve: a batch that has judged its bound of groups (Starvation) without
+filling (the policy has learned what its prompts teach, or cannot learn them) ends as the bound's action says."""
 
 import asyncio
 import enum
@@ -23,12 +26,27 @@ from openrlhf_async.rollout.filter import GroupFilter
 ERROR_KINDS = {"error": ("agent", "agent_errors"), "timeout": ("agent", "agent_timeouts"),
                "reward_error": ("reward", "reward_errors"), "reward_timeout": ("reward", "reward_timeouts")}
 COUNTERS = ["started", "finished", "aborted", "screened", "tokens", "tokens_aborted", "tokens_screened", "episodes",
-            "agent_errors", "agent_timeouts", "reward_errors", "reward_timeouts", "rerouted"]
-HOPELESS_GROUPS = 20  # batches' worth of finished groups with none valid, after which a rollout gives up
+            "agent_errors", "agent_timeouts", "reward_errors", "reward_timeouts", "rerouted", "starved", "flat_filled"]
 
 
 class AgentFailureError(RuntimeError):
     """Too many of a batch's episodes failed in the agent's step or lost their reward."""
+
+
+@dataclass(frozen=True)
+class Starvation:
+    """Dynamic sampling's bound. A batch is starved once it has judged max_gen_batches x its target groups (veRL's
+    max_num_gen_batches), or run max_wait_s, without filling; it then ends as `action` says: partial (the valid
+    groups it has, a smaller batch; with none, the run stops), fill (its valid groups topped up with filtered ones)
+    or stop (the run stops)."""
+    max_gen_batches: int = 10
+    max_wait_s: Optional[float] = None
+    action: str = "partial"
+
+    @classmethod
+    def from_config(cls, algo) -> "Starvation":
+        return cls(algo.dynamic_filtering_max_num_gen_batches, algo.dynamic_filtering_max_wait_s,
+                   algo.dynamic_filtering_on_starved)
 
 
 class State(enum.Enum):
@@ -49,6 +67,7 @@ class StartedGroup:
     call: Any = None  # the engine's generate_group call (a Ray ObjectRef, or an awaitable for local engines)
     episodes: Optional[list] = None
     valid: Optional[bool] = None
+    flat: bool = False  # its scores all equal (or screened as such)
 
 
 def group_tokens(episodes: list) -> int:
@@ -58,11 +77,12 @@ def group_tokens(episodes: list) -> int:
 
 class RolloutBatch:
     def __init__(self, target: int, n: int, stop, group_filter: GroupFilter, error_ratios: dict,
-                 carried: list = (), dead_engines: set = ()):
+                 carried: list = (), dead_engines: set = (), starvation: Starvation = Starvation()):
         """stop: the stop rule's class (see stop_rule). error_ratios: failure family -> the share of episodes that
         may fail. carried: groups started for an earlier batch and not used yet; they come first."""
         self.target, self.n, self.filter, self.error_ratios = target, n, group_filter, error_ratios
         self.stop = stop(target)
+        self.starvation, self.bound = starvation, starvation.max_gen_batches * target
         self.start_time = time.perf_counter()
         self.records, self.finished, self.reroute = [], [], []  # start order, finish order, start order
         self.pending = {}  # task awaiting a group's engine call -> its record
@@ -113,8 +133,9 @@ class RolloutBatch:
             self.stats["screened"] += 1
             self.stats["tokens_screened"] += group_tokens(episodes)
         record.valid = not screened and self.filter.keep(scores)
+        record.flat = screened or self.filter.flat(scores)
         self.finished.append(record)
-        return screened or self.filter.flat(scores)
+        return record.flat
 
     def engine_died(self, engine: int, record: Optional[StartedGroup] = None) -> None:
         """The engine is gone: its running groups (and the record whose call failed, if any) restart elsewhere
@@ -135,8 +156,59 @@ class RolloutBatch:
         return not self.pending and not self.reroute
 
     def wanted(self) -> int:
-        """Groups the stop rule wants in flight now."""
-        return self.stop.wanted(self)
+        """Groups the stop rule wants in flight now, within the starvation bound."""
+        return min(self.stop.wanted(self), len(self.pending) + max(0, self.bound - len(self.records)))
+
+    def starved(self) -> bool:
+        """Whether the batch is starved: short of valid groups with its bound of groups judged or its time bound
+        passed (groups still running are then aborted, or carried over), or with its bound started and none left
+        running."""
+        if self.idle() and len(self.records) >= self.bound:
+            return True  # nothing more will come (a rule waiting for a whole wave may have been cut at the bound)
+        if sum(1 for r in self.finished if r.valid) >= self.target:
+            return False  # the stop rule has what it needs and waits for the groups its order needs
+        wait_s = self.starvation.max_wait_s
+        return len(self.finished) >= self.bound or (wait_s is not None and self.elapsed() >= wait_s)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start_time
+
+    def time_left(self) -> Optional[float]:
+        """Seconds until the time bound; None without one."""
+        wait_s = self.starvation.max_wait_s
+        return None if wait_s is None else max(0.0, wait_s - self.elapsed())
+
+    def starved_choice(self) -> Optional[list]:
+        """The groups a starved batch is trained on, as the bound's action says (and counted); None: the run is to
+        stop."""
+        valid = [r for r in self.records if r.state is State.FINISHED and r.valid][: self.target]
+        if len(valid) == self.target:  # cut at the bound with enough after all (a wave's rule)
+            return valid
+        self.stats["starved"] += 1
+        action = self.starvation.action
+        if action == "stop" or (action == "partial" and not valid):
+            return None
+        if action == "fill":  # whole groups only (screening refuses fill): the trainer takes n samples a group
+            fill = [r for r in self.finished if not r.valid and len(r.episodes) == self.n][: self.target - len(valid)]
+            self.stats["flat_filled"] += len(fill)
+            valid += fill
+        return valid
+
+    def starvation_report(self, score_range: tuple = None) -> str:
+        """Why the batch starved, in one line. score_range: the lowest and highest scores the run has seen, which
+        say whether flat groups are solved prompts or prompts out of reach."""
+        flat = [r for r in self.finished if r.flat]
+        score = mean_score(flat or self.finished)
+        verdict = "the policy's scores no longer vary"
+        if score_range is not None and score_range[0] < score_range[1] and flat:
+            if score >= score_range[1] - 1e-6:
+                verdict = "the task is solved"
+            elif score <= score_range[0] + 1e-6:
+                verdict = "the prompts are out of the policy's reach"
+        found = sum(1 for r in self.finished if r.valid)
+        return (f"{verdict}: {len(flat)} of the last {len(self.finished)} groups were flat (every sample scored the "
+                f"same; mean score {score:.3g}) and {found} of the {self.target} groups wanted varied, after "
+                f"{self.elapsed():.0f} s")
 
     def selected(self) -> Optional[list]:
         """The batch's groups once it is complete; None while it is not."""
@@ -178,15 +250,8 @@ class RolloutBatch:
 
     def hopeless(self) -> Optional[Exception]:
         """An error to stop on when the batch cannot go well: agents failing above the allowed share over a
-        batch's worth of episodes, or so many groups finished without one valid that none is likely to come."""
-        failure = self.too_many_failures(min_episodes=self.target * self.n)
-        if failure is not None:
-            return failure
-        if len(self.finished) >= HOPELESS_GROUPS * self.target and not any(r.valid for r in self.finished):
-            return RuntimeError(f"none of {len(self.finished)} finished groups passed the dynamic-sampling filter "
-                                f"(all rewards equal within each group): check the reward and the labels, or relax "
-                                f"--algo.dynamic_filtering_rule / --algo.dynamic_filtering_enable")
-        return None
+        batch's worth of episodes. (Groups that all come out flat are no error: the batch starves, see starved().)"""
+        return self.too_many_failures(min_episodes=self.target * self.n)
 
     def metrics(self, chosen: list, carried_out: int, engine_failures: int, loads: list) -> dict:
         stats, accepted_tokens = self.stats, sum(group_tokens(r.episodes) for r in chosen)
@@ -216,6 +281,9 @@ class RolloutBatch:
             "rollout/reward_timeouts": stats["reward_timeouts"],
             "rollout/engine_failures": engine_failures,
             "rollout/groups_rerouted": stats["rerouted"],
+            "rollout/starved_batches": stats["starved"],
+            "rollout/groups_flat_filled": stats["flat_filled"],  # with --algo.dynamic_filtering_on_starved fill
+            "rollout/groups_missing": self.target - len(chosen),  # a starved batch trained smaller (partial)
         }
         for family, message in self.first_error.items():
             metrics[f"rollout/{family}_first_error"] = message

@@ -2,9 +2,9 @@
 to each group as it completes, and early stop (queued groups never start, running ones are aborted in vLLM).
 
 The controller talks to the engines; the batch it is making (rollout/batch.py) keeps what happened and its stop
-rule says when it is complete. With screening on, a group whose first samples fail the filter comes back from its
-engine with those alone, and is dropped. A group whose engine actor dies restarts from its prompt on a live
-engine; the dead engine is not used again."""
+rule says when it is complete (or, past its starvation bound, what it becomes). With screening on, a group whose
+first samples fail the filter comes back from its engine with those alone, and is dropped. A group whose engine
+actor dies restarts from its prompt on a live engine; the dead engine is not used again."""
 
 import asyncio
 import itertools
@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from typing import Callable, Optional
 
 from openrlhf_async.reward.shaping import shape_rewards
-from openrlhf_async.rollout.batch import RolloutBatch, StartedGroup, State, awaited, group_tokens, stop_rule
+from openrlhf_async.rollout.batch import (RolloutBatch, StartedGroup, Starvation, State, awaited, group_tokens,
+                                          stop_rule)
 from openrlhf_async.rollout.engine import _engine_died, all_engines_dead, raising, submit
 from openrlhf_async.rollout.filter import GroupFilter
 
@@ -116,6 +117,8 @@ class RolloutController:
         self.max_concurrent_prompts = cfg.max_concurrent_prompts
         self.agent_path = cfg.agent.func_path
         self.filter = GroupFilter.from_config(cfg.algo)
+        # Without a filter every group is valid: nothing can starve, and no time bound cuts a slow batch short.
+        self.starvation = Starvation.from_config(cfg.algo) if self.filter.rule else Starvation()
         # Screening drops a group whose first samples the filter drops: without a filter there is nothing to screen.
         self.screen_samples = rollout.screen_samples if self.filter.rule else 0
         self.stop_rule = stop_rule(rollout.early_stop, rollout.unbiased_early_stop, rollout.admission_margin,
@@ -130,6 +133,7 @@ class RolloutController:
         self.balancer = LoadBalancer(self.engines, cfg.vllm.concurrency())
         self._last_engine_error = None
         self.groups_finished = self.groups_valid = 0  # over the controller's life: the valid rate of later batches
+        self.score_range = None  # (lowest, highest) score seen over its life: what a flat group's score means
 
     @property
     def dead_engines(self) -> set:
@@ -176,7 +180,10 @@ class RolloutController:
         the engines are kept full with groups for later batches, but with no more of them than those batches are
         expected to use at the valid rate seen so far: a group started for a batch never asked for is aborted
         unused when the run ends (close()).
-        Returns (groups, metrics); each episode's reward is set (its raw reward plus shaping)."""
+        Returns (groups, metrics); each episode's reward is set (its raw reward plus shaping). A batch past its
+        starvation bound (--algo.dynamic_filtering_max_num_gen_batches) has fewer groups, or flat ones, as
+        --algo.dynamic_filtering_on_starved says, and metrics["rollout/starved_reason"] says why; when the run is to
+        stop instead, groups is empty and metrics["rollout/stop_reason"] says why."""
         return asyncio.run(self.run_async(next_prompt, target, remaining))
 
     async def run_async(self, next_prompt: Callable[[], dict], target: int, remaining: Optional[int] = None) -> tuple:
@@ -185,14 +192,17 @@ class RolloutController:
         if not self.balancer.live() and not await self._wait_for_engines():
             raise self._all_dead_error()
         batch = RolloutBatch(target, self.n, self.stop_rule, self.filter, self.error_ratios, self.carried,
-                             self.balancer.dead)
-        self.carried, chosen = [], None
+                             self.balancer.dead, self.starvation)
+        self.carried, chosen, starved = [], None, False
         try:
             chosen = batch.selected()  # carried-over groups alone may complete it
             while chosen is None:
                 for engine in await self._refresh():  # its groups restart now: a call to it may never answer
                     batch.engine_died(engine)
                 self._launch(batch, next_prompt, self._later_need(target, remaining))
+                if batch.starved():
+                    chosen, starved = batch.starved_choice(), True
+                    break
                 if not batch.pending:
                     if self.balancer.live():
                         break
@@ -200,7 +210,8 @@ class RolloutController:
                         continue
                     batch.fail(self._all_dead_error())
                     break
-                done, _ = await asyncio.wait(list(batch.pending), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(list(batch.pending), timeout=batch.time_left(),
+                                             return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     self._collect(batch, task)
                 batch.fail(batch.hopeless())
@@ -217,14 +228,17 @@ class RolloutController:
             await self._abort(dict(batch.pending), batch.pending, batch.stats)
         if batch.failure is not None:
             raise batch.failure
-        if chosen is None:
+        if chosen is None and not starved:
             raise RuntimeError("rollout ended without enough valid groups")
-        metrics = batch.metrics(chosen, len(self.carried), len(self.balancer.dead) - dead_before,
+        metrics = batch.metrics(chosen or [], len(self.carried), len(self.balancer.dead) - dead_before,
                                 self.balancer.mean_loads())
         failure = batch.too_many_failures()
         if failure is not None:
             raise failure
-        return [r.episodes for r in chosen], metrics
+        if starved:
+            metrics["rollout/starved_reason" if chosen is not None else "rollout/stop_reason"] = (
+                batch.starvation_report(self.score_range))
+        return [r.episodes for r in chosen or []], metrics
 
     def _later_need(self, target: int, remaining: Optional[int]) -> float:
         """Groups worth starting now for later batches: none without carry over (the stop rule's need alone), as
@@ -286,6 +300,8 @@ class RolloutController:
                 batch.fail(e)
             return
         shape_rewards(group, record.budget, *self.overlong)
+        scores = [ep.score for ep in group] + list(self.score_range or ())
+        self.score_range = (min(scores), max(scores)) if scores else None
         flat = batch.group_finished(record, group)
         self.groups_finished, self.groups_valid = self.groups_finished + 1, self.groups_valid + record.valid
         if self.on_group is not None:

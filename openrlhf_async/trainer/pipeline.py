@@ -11,7 +11,9 @@ ray.util.queue.Queue, started and watched by PPOTrainerAsync. One pipeline for e
 The mode is decoded once, into a StalenessPolicy (staleness.py) that both actors build from the config. Every group
 carries per-token weight versions; the generator drops (and counts) groups that would be staler than the limit at
 the version their batch will be trained at, and makes another in their place. A failure on either side stops both
-within seconds and is raised with its cause."""
+within seconds and is raised with its cause. A run whose dynamic sampling starves with nothing left to train on (see
+--algo.dynamic_filtering_on_starved) ends early and normally: the generator's last item says why, and the trainer's
+summary says so ("stopped_early"), so the run driver saves the model as after a full run."""
 
 import threading
 import time
@@ -36,9 +38,24 @@ class QueuedBatch:
     used: list  # (stream position, prompt id) of every prompt this batch used up
     flat: list  # (prompt id, flat) of every finished group, for skipping flat prompts
     spans: list  # the generator's timeline spans while it made this batch
+
+
+@dataclass
+class EarlyEnd:
+    """The generator's last queue item when the run ends before --train.max_steps: dynamic sampling starved with
+    nothing left to train on, or the whole prompt set came out flat."""
+    index: int  # the batch it could not make
+    reason: str
+
+
+class PromptSetSolved(Exception):
+    """Every prompt's last group was flat, with --rollout.skip_flat_prompts setting flat prompts aside and
+    --algo.dynamic_filtering_on_starved stop: nothing is left to learn from."""
+
+
 _COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
              "rollout/reward_errors", "rollout/reward_timeouts", "rollout/stale_groups_dropped",
-             "rollout/engine_failures", "rollout/prompts_skipped")
+             "rollout/engine_failures", "rollout/prompts_skipped", "rollout/starved_batches")
 
 
 def _merge_rollout_metrics(into: dict, new: dict) -> None:
@@ -112,6 +129,7 @@ class GenerateSamplesActor:
                                             on_group=self._group_done, fleet=fleet)
         self.sampler = PromptSampler(prompts, cfg.train.seed, skip_flat=cfg.rollout.skip_flat_prompts,
                                      **(data_position or {}))
+        self.drawable = sum(1 for p in prompts if not p.get("too_long"))  # the prompts the sampler ever gives
         self._outcomes = []  # (dataset row, flat) of the groups finished in the batch being made
         self.timeline = Timeline("generator")
         self.stopped = threading.Event()
@@ -129,8 +147,15 @@ class GenerateSamplesActor:
         self._outcomes.append((prompt["id"], flat))
         self.sampler.record([(prompt["id"], flat)])
 
+    def _prompt_set_solved(self) -> bool:
+        """Every prompt's last group was flat while flat prompts are set aside, and a starved run is to stop."""
+        return (self.controller.filter.rule is not None and self.controller.starvation.action == "stop"
+                and self.sampler.skip_flat > 0 and len(self.sampler.flat) >= self.drawable)
+
     def _batch(self, target_version: int, remaining: int = None) -> tuple:
-        """batch_size valid groups, none staler than the limit at the version they will be trained at.
+        """batch_size valid groups, none staler than the limit at the version they will be trained at; fewer, or
+        flat ones, when dynamic sampling starved (metrics["rollout/starved_reason"] says why), and none when the run
+        is to stop (metrics["rollout/stop_reason"]).
         remaining: batches the run asks for after this one (the controller starts no more groups than they use)."""
         size, groups, metrics = self.cfg.rollout.batch_size, [], {}
         dropped, used = 0, {}  # used: stream position -> dataset row, for the prompts this batch used up
@@ -139,6 +164,9 @@ class GenerateSamplesActor:
             return {r.prompt["position"]: r.prompt["id"] for r in self.controller.carried}
 
         def next_prompt() -> dict:
+            if self._prompt_set_solved():
+                raise PromptSetSolved(f"the whole prompt set is solved: the last group of each of its "
+                                      f"{self.drawable} prompts was flat")
             prompt = self.sampler.next()
             skipped = self.sampler.take_skipped()  # passed over (--rollout.skip_flat_prompts): used up, no group
             used.update(skipped)
@@ -148,13 +176,21 @@ class GenerateSamplesActor:
 
         while len(groups) < size:
             used.update(carried())
-            got, m = self.controller.run(next_prompt, size - len(groups), remaining)
+            try:
+                got, m = self.controller.run(next_prompt, size - len(groups), remaining)
+            except PromptSetSolved as solved:
+                metrics["rollout/stop_reason"] = str(solved)
+                break
             for position in carried():
                 used.pop(position, None)
             fresh = [g for g in got if self.staleness.is_fresh(g, target_version)]
             dropped += len(got) - len(fresh)
             groups += fresh
             _merge_rollout_metrics(metrics, m)
+            if "rollout/starved_reason" in m or "rollout/stop_reason" in m:
+                break  # starved: no second round of its bound
+        if not groups and "rollout/stop_reason" not in metrics:  # starved with nothing usable: nothing to train
+            metrics["rollout/stop_reason"] = metrics["rollout/starved_reason"]
         metrics["rollout/stale_groups_dropped"] = dropped
         metrics.setdefault("rollout/prompts_skipped", 0)
         outcomes, self._outcomes = self._outcomes, []
@@ -172,6 +208,10 @@ class GenerateSamplesActor:
                 version = base + self.staleness.trained_version(index)
                 with self.timeline.span("generate"):
                     groups, metrics, used, outcomes = self._batch(version, remaining=num_items - 1 - index)
+                if "rollout/stop_reason" in metrics:
+                    reason = metrics["rollout/stop_reason"]
+                    _put(self.queue, EarlyEnd(index, reason), self.stopped)
+                    return {"items": index, "stopped_early": reason, "idle_ratio": self.timeline.idle_ratio(start)}
                 metrics["rollouter/idle_ratio"] = self.timeline.idle_ratio(start)
                 metrics["rollouter/gate_wait_s"] = self.timeline.last["wait"]
                 with self.timeline.span("wait"):
@@ -208,7 +248,8 @@ class TrainingActor:
         self.progress = StreamProgress(**resumed["data_position"]) if resumed else StreamProgress()
         self.eval_start = resumed and resumed["eval_start"]  # the scores before training, for the summary
         self.eval_answers = []  # the last evaluation's answers not logged yet
-        self.totals = {"max_staleness": 0, "stale_samples_trained": 0, "stale_groups_dropped": 0}
+        self.totals = {"max_staleness": 0, "stale_samples_trained": 0, "stale_groups_dropped": 0,
+                       "starved_batches": 0, "groups_flat_filled": 0}
         self.timeline = Timeline("trainer")
 
     def stop(self) -> None:
@@ -216,15 +257,22 @@ class TrainingActor:
 
     def run(self) -> dict:
         """Wait for a batch, train on it, sync every --train.trigger_parameter_sync_step steps, evaluate every
-        --eval.steps, log the step, save every --ckpt.save_steps; returns the run's summary."""
+        --eval.steps, log the step, save every --ckpt.save_steps; returns the run's summary. When the generator ends
+        the run early, the last weights are synced and evaluated, and the summary's "stopped_early" says at which
+        step ("step", the first not trained; "last_step", the last trained) and why ("reason")."""
         t, cfg = self.cfg.train, self.cfg
         first_step, scores = self._start()
         start, before = time.time(), dict(self.timeline.seconds)  # idle time counts from the first step
+        stopped_early = None
         for step in range(first_step, t.max_steps + 1):
             with self.timeline.span("wait"):
                 depth, items = self.queue.qsize(), self._next_batch(step)
             if items is None:
                 return {"stopped": True}
+            if isinstance(items, EarlyEnd):
+                stopped_early = {"step": step, "last_step": step - 1, "reason": items.reason}
+                scores = self._end_early(step, first_step, scores)
+                break
             metrics = {"step": step, **self._step(items)}
             synced = step % t.trigger_parameter_sync_step == 0 or step == t.max_steps
             if synced:
@@ -238,7 +286,19 @@ class TrainingActor:
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0:
                 self._save_checkpoint(step)
         return {"eval_start": self.eval_start, "eval_end": scores, **self.totals,
-                "trainer_idle_ratio": self.timeline.idle_ratio(start, before), "staleness_limit": self.staleness.limit}
+                "trainer_idle_ratio": self.timeline.idle_ratio(start, before), "staleness_limit": self.staleness.limit,
+                "stopped_early": stopped_early}
+
+    def _end_early(self, step: int, first_step: int, scores):
+        """The run ends before `step`: the engines get the last trained weights (unless synced after the last step)
+        and, with an eval set, those are evaluated unless they just were. Returns the latest scores."""
+        t, last = self.cfg.train, step - 1
+        if last >= first_step and last % t.trigger_parameter_sync_step:
+            with self.timeline.span("sync"):
+                self.weight_sync.sync(self.staleness.pause_mode)
+        if self.eval_prompts and last >= first_step and last % self.cfg.eval.steps:
+            scores = self._evaluate()
+        return scores
 
     def _start(self) -> tuple:
         """(first step, latest scores): a resumed run goes on after its checkpoint; a fresh one evaluates the initial
@@ -261,6 +321,8 @@ class TrainingActor:
             if item == END:
                 raise RuntimeError(f"the generator ended at step {step}, before --train.max_steps "
                                    f"{self.cfg.train.max_steps}")
+            if isinstance(item, EarlyEnd):
+                return item  # a batch of this step already taken is not trained: the run ends here
             items.append(item)
         return items
 
@@ -312,6 +374,8 @@ class TrainingActor:
         self.totals["max_staleness"] = max(self.totals["max_staleness"], report["staleness/max"])
         self.totals["stale_samples_trained"] += report["staleness/stale_samples"]
         self.totals["stale_groups_dropped"] += metrics["rollout/stale_groups_dropped"]
+        self.totals["starved_batches"] += metrics.get("rollout/starved_batches", 0)
+        self.totals["groups_flat_filled"] += metrics.get("rollout/groups_flat_filled", 0)
         metrics.update(report)
         metrics["timing/generate_s"] = metrics["rollout/time_to_batch_s"]
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens_generated"] / max(1e-9, metrics["timing/generate_s"])
@@ -439,6 +503,9 @@ class PPOTrainerAsync:
         if summary.get("stopped"):
             raise RuntimeError("the trainer was stopped before it finished")
         summary["generator_idle_ratio"] = (generator_result or {}).get("idle_ratio")
+        if summary["stopped_early"]:
+            print(f"the run ends before step {summary['stopped_early']['step']} of {self.cfg.train.max_steps}: "
+                  f"{summary['stopped_early']['reason']}", flush=True)
         return summary
 
     def _shutdown(self, running: list) -> None:

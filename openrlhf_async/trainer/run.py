@@ -52,7 +52,8 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
         "eval_accuracy_end": result["eval_end"] and result["eval_end"]["eval/accuracy"],
         "eval_start": result["eval_start"],
         "eval_end": result["eval_end"],
-        "steps": cfg.train.max_steps,
+        "steps": result["stopped_early"]["last_step"] if result.get("stopped_early") else cfg.train.max_steps,
+        "stopped_early": result.get("stopped_early"),  # {step, last_step, reason} when dynamic sampling ended it
         "wall_s": round(time.perf_counter() - start, 1),
         "setup_s": round(setup_s, 1),
         "trainer_idle_ratio": round(result["trainer_idle_ratio"], 3),
