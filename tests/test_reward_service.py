@@ -1,7 +1,9 @@
 """The reward service as a separate process, and the RemoteReward client against it: bad requests, a restart in
-the middle of a burst, and a service that stays down."""
+the middle of a burst, and a service that stays down; hostile input: hung reward_func calls, malformed bodies and
+encodings by the hundred, flags beyond what the machine can take."""
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -36,12 +38,17 @@ def _kill(proc):
     proc.wait()
 
 
-def _post(url: str, data: bytes):
+def _post(url: str, data: bytes, headers=None):
+    request = urllib.request.Request(url, data=data, headers=headers or {}, method="POST")
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=30) as resp:
+        with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        text = e.read()
+        try:
+            return e.code, json.loads(text)
+        except ValueError:  # not our JSON error: aiohttp's own page for a 500, say
+            return e.code, {"error": text.decode(errors="replace")}
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +73,31 @@ def test_scores_a_batch_and_counts_a_sample_over_its_timeout(server):
     assert (status, out["rewards"], out["errors"]) == (200, [1.0], [])
 
 
-@pytest.mark.parametrize("body, status, message", [
-    (b"{not json", 400, "body is not JSON"),
-    (b"[1, 2]", 400, "expected a JSON object"),
-    (b'{"query": "1+1=2", "labels": ["2"]}', 400, "'query' must be a list of strings"),
-    (b'{"query": ["a", "b"], "labels": ["2"]}', 400, "'labels' must be a list of 2"),
-    (b'{"query": ["a"], "prompts": [1], "labels": ["2"]}', 400, "'prompts' must be a list of 1 strings"),
-    (b'{"query": ["a"]}', 400, "'labels' is required"),
-    (b'{"query": ["' + b"1" * (2 << 20) + b'"], "labels": ["1"]}', 413, "body over --max_body_mb 1"),
+NESTED = b"[" * 100_000 + b"]" * 100_000  # past the JSON decoder's recursion limit
+PLAIN = b'{"query": ["1"]}'
+
+
+@pytest.mark.parametrize("body, headers, status, message", [
+    (b"{not json", {}, 400, "body is not JSON"),
+    (b"[1, 2]", {}, 400, "expected a JSON object"),
+    (b'{"query": "1+1=2", "labels": ["2"]}', {}, 400, "'query' must be a list of strings"),
+    (b'{"query": ["a", "b"], "labels": ["2"]}', {}, 400, "'labels' must be a list of 2"),
+    (b'{"query": ["a"], "prompts": [1], "labels": ["2"]}', {}, 400, "'prompts' must be a list of 1 strings"),
+    (b'{"query": ["a"]}', {}, 400, "'labels' is required"),
+    (b'{"query": ["' + b"1" * (2 << 20) + b'"], "labels": ["1"]}', {}, 413, "body over --max_body_mb 1"),
+    (NESTED, {}, 400, "nested too deeply"),
+    (b'{"query": [' * 50_000, {}, 400, "body is not JSON"),
+    (PLAIN, {"Content-Encoding": "gzip"}, 415, "Content-Encoding gzip is not accepted"),
+    (gzip.compress(PLAIN), {"Content-Encoding": "gzip"}, 415, "Content-Encoding gzip is not accepted"),
+    (PLAIN, {"Content-Encoding": "br"}, 415, "Content-Encoding br is not accepted"),
+    (PLAIN, {"Content-Type": "application/json; charset=nonesuch"}, 400, "'labels' is required"),  # read as UTF-8
 ])
-def test_bad_requests_get_a_json_error_and_the_server_stays_up(server, body, status, message):
-    got, out = _post(f"{server}/score", body)
+def test_bad_requests_get_a_json_4xx_and_the_server_stays_up(server, body, headers, status, message):
+    got, out = _post(f"{server}/score", body, headers)
     assert got == status and message in out["error"]
     with urllib.request.urlopen(f"{server}/health", timeout=10) as resp:
-        assert json.loads(resp.read()) == {"status": "ok"}
+        health = json.loads(resp.read())
+    assert health["status"] == "ok" and health["counts"][f"answered_{status}"] >= 1
 
 
 def test_burst_survives_a_server_restart(tmp_path):
@@ -219,6 +237,85 @@ def test_a_reward_func_that_raises_or_hangs_on_the_service_is_sent_once(tmp_path
     assert calls.read_text().split() == ["raise", "hang", "fine"]  # none retried
 
 
+def test_fifty_hung_reward_func_calls_do_not_delay_a_healthy_one(tmp_path):
+    """With its 2 workers held by hung calls and 48 more hung calls queued, a healthy call is answered within about
+    one --timeout (it once waited for every hung call ahead of it: 50 / 2 x timeout); the hung calls are answered
+    with a counted RewardTimeout or a 503 that the client retries."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from openrlhf_async.cli.reward_server import build_app
+
+    path = tmp_path / "reward.py"
+    path.write_text(textwrap.dedent("""
+        import time
+
+        def reward_func(queries, prompts, labels):
+            if queries[0] == "hang":
+                time.sleep(600)
+            return {"rewards": [1.0] * len(queries)}
+    """))
+
+    async def run():
+        async with TestServer(build_app(func_path=str(path), workers=2, timeout=1)) as server, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            async def post(query):
+                async with http.post(server.make_url("/score"), json={"query": [query]}) as resp:
+                    return resp.status, await resp.json()
+
+            hung = [asyncio.ensure_future(post("hang")) for _ in range(50)]
+            await asyncio.sleep(0.5)  # all 50 are in: 2 running, 48 waiting
+            start = time.monotonic()
+            healthy = await asyncio.wait_for(post("fine"), 15)
+            elapsed = time.monotonic() - start
+            hung = await asyncio.gather(*hung)
+            async with http.get(server.make_url("/health")) as resp:
+                return healthy, elapsed, hung, await resp.json()
+
+    (status, out), elapsed, hung, health = asyncio.run(run())
+    assert status == 200 and out["rewards"] == [1.0] and elapsed < 5, elapsed
+    timed_out = [o for s, o in hung if s == 200 and "RewardTimeout" in o["errors"][0]["error"]]
+    busy = [o for s, o in hung if s == 503 and "all 2 reward_func workers stayed busy" in o["error"]]
+    assert len(timed_out) + len(busy) == 50 and timed_out and busy
+    assert health["counts"] == {"timeouts": len(timed_out), "answered_503": len(busy)}
+    assert (health["running"], health["waiting"]) == (0, 0)
+
+
+def _admitted(order, size, queue, call_timeout, arrivals):
+    """The order in which Admission lets calls in: each (name, arrival s, run s); ServiceBusy ones as '!name'."""
+    from openrlhf_async.reward.admission import Admission, ServiceBusy
+
+    async def run():
+        admission = Admission(size, queue, call_timeout, "workers")
+
+        async def one(name, arrival, seconds):
+            await asyncio.sleep(arrival)
+            try:
+                async with admission.slot():
+                    order.append(name)
+                    await asyncio.sleep(seconds)
+            except ServiceBusy:
+                order.append("!" + name)
+
+        await asyncio.gather(*(one(*a) for a in arrivals))
+        return admission.running, admission.waiting
+
+    return asyncio.run(run())
+
+
+def test_admission_is_oldest_first_until_held_up_then_newest_first(monkeypatch):
+    from openrlhf_async.reward import admission
+
+    monkeypatch.setattr(admission, "WORKER_START_S", 0.6)  # patience: a call's 1 s and 0.6 s
+    order = []
+    # One place, a queue of 2. `a` holds it 0.4 s: b and c get in oldest first. `d` holds it 1.3 s, so when it is
+    # done the oldest waiter (e) has waited past a call's time: the newest (g) goes first, and e runs out of
+    # patience while g runs. f came to a full queue and was refused at once.
+    assert _admitted(order, 1, 2, 1.0, [("a", 0, 0.4), ("b", 0.1, 0), ("c", 0.2, 0), ("d", 0.5, 1.3),
+                                        ("e", 0.6, 0), ("g", 0.8, 0.8), ("f", 0.9, 0)]) == (0, 0)
+    assert order == ["a", "b", "c", "d", "!f", "g", "!e"]
+
+
 def _against(handler, client_timeout: float = 5):
     """RewardError or RewardTimeout from RemoteReward against a service answering with handler, and the number
     of requests it got."""
@@ -342,6 +439,49 @@ def test_slow_and_stalled_clients_are_closed_within_the_read_timeout(tmp_path):
     assert all(answer.startswith(b"HTTP/1.1 408") for k, _, answer in stalls if k == "body")
 
 
+def _raw_request(body: bytes, *headers: bytes, length: bytes = b"") -> bytes:
+    return b"\r\n".join([b"POST /score HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close",
+                         b"Content-Length: " + (length or str(len(body)).encode()), *headers, b"", body])
+
+
+MALFORMED = [_raw_request(NESTED), _raw_request(PLAIN, b"Content-Encoding: gzip"), _raw_request(b"{not json"),
+             _raw_request(PLAIN, length=b"12x"),  # refused by aiohttp's parser before any handler runs
+             b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"]
+
+
+def test_a_flood_of_malformed_requests_gets_4xx_and_a_few_log_lines_a_second(tmp_path):
+    from openrlhf_async.cli.reward_server import LOG_LINES_PER_SECOND
+
+    port, log, sent = free_port(), tmp_path / "log", 300
+    proc = _start(port, log, "--reward.func_path", _reward_file(tmp_path))
+
+    async def one(request, slots):
+        async with slots:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            answer = await reader.read()  # until the server closes the connection
+            writer.close()
+            return int(answer.split(b" ", 2)[1])
+
+    async def flood():
+        slots = asyncio.Semaphore(20)
+        return await asyncio.gather(*(one(MALFORMED[i % len(MALFORMED)], slots) for i in range(sent)))
+
+    try:
+        start = time.monotonic()
+        statuses = asyncio.run(flood())
+        seconds = time.monotonic() - start
+        time.sleep(1.5)  # the count of lines left out is written once their second is over
+    finally:
+        _kill(proc)
+    assert sorted(set(statuses)) == [400, 415]
+    lines = open(log).read().splitlines()[1:]  # after "listening on"
+    left_out = [line for line in lines if line.endswith("more such lines in that second not written")]
+    assert "Traceback" not in open(log).read() and left_out
+    assert len(lines) - len(left_out) + sum(int(line.split()[0]) for line in left_out) == sent  # one per request
+    assert len(lines) <= 2 * LOG_LINES_PER_SECOND * (seconds + 2)
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--max_concurrency", "0"], "--max_concurrency"),
     (["--workers", "0"], "--workers"),
@@ -352,6 +492,13 @@ def test_slow_and_stalled_clients_are_closed_within_the_read_timeout(tmp_path):
     (["--timeout", "0"], "--timeout"),
     (["--timeout", "nan"], "--timeout"),
     (["--read_timeout", "-1"], "--read_timeout"),
+    # Within what the machine can take, checked before anything starts (100000 once started 200+ processes).
+    (["--workers", "100000"], "--workers"),
+    (["--max_concurrency", "100000000"], "--max_concurrency"),
+    (["--timeout", "1e300"], "--timeout"),
+    (["--read_timeout", "1e6"], "--read_timeout"),
+    (["--max_body_mb", "0.0000001"], "--max_body_mb"),  # rounded to 0 bytes, aiohttp's "no limit"
+    (["--max_body_mb", "1e12"], "--max_body_mb"),
 ])
 def test_bad_flags_fail_in_one_line_naming_the_flag(tmp_path, args, flag):
     with socket.socket() as busy:

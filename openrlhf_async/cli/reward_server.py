@@ -3,21 +3,87 @@
 POST /score (or /get_reward) {"query": [...], "prompts": [...], "labels": [...]} answers
 {"rewards", "scores", "extra_logs", "errors", "timeout"}; with no --reward.func_path it scores with the built-in
 math-verify reward. Each sample (or reward_func call) runs on a worker under --timeout: one over it scores 0.0 and
-is listed in "errors", and its worker is killed. A reward_func that raises answers 422, a bad request 4xx. A client
-must send its headers, and then its body, each within --read_timeout, or its connection is closed."""
+is listed in "errors", and its worker is killed. A reward_func call waits at most --timeout and 5 s more for a
+worker, else answers 503, however many hung calls came before it. A reward_func that raises answers 422, a bad
+request 4xx. A client must send its headers, and then its body, each within --read_timeout, or its connection is
+closed. Failures are counted in GET /health and logged in one line each, at most 10 lines a second."""
 
 import argparse
 import asyncio
+import collections
 import errno
+import inspect
+import json
+import logging
 import math
+import os
 import socket
 import sys
+import threading
+import time
+
+LOG_LINES_PER_SECOND = 10
+_log = logging.getLogger("openrlhf_async.reward_server")
 
 
-def _bad_request(message: str, status: int = 400):
-    from aiohttp import web
+class _RateLimitedLines(logging.Handler):
+    """Each record in one line (a traceback only for an error of the server's own), at most `per_second` lines a
+    second; the rest are counted, and the count is written when the second is over: malformed requests by the
+    thousand cannot flood the log."""
 
-    return web.json_response({"error": message}, status=status)
+    def __init__(self, stream, per_second: int = LOG_LINES_PER_SECOND):
+        super().__init__()
+        self.stream, self.per_second = stream, per_second
+        self._second, self._written, self._suppressed, self._timer = 0.0, 0, 0, None
+
+    def emit(self, record):  # called under self.lock
+        now = time.monotonic()
+        if now - self._second >= 1.0:
+            self._write_suppressed()
+            self._second, self._written = now, 0
+        if self._written >= self.per_second:
+            self._suppressed += 1
+            if self._timer is None:
+                self._timer = threading.Timer(self._second + 1.0 - now, self._flush)
+                self._timer.daemon = True
+                self._timer.start()
+            return
+        self._written += 1
+        self._write(self._one_line(record))
+
+    def _one_line(self, record) -> str:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        line = " ".join(f"{record.getMessage()}{f': {type(exc).__name__}: {exc}' if exc else ''}".split())[:1000]
+        if exc is not None and not isinstance(exc, HttpProcessingError):  # not the client's fault: a bug to fix
+            line += "\n" + logging.Formatter().formatException(record.exc_info)
+        return line
+
+    def _flush(self):
+        with self.lock:
+            self._timer = None
+            self._write_suppressed()
+
+    def _write_suppressed(self):
+        if self._suppressed:
+            self._write(f"{self._suppressed} more such lines in that second not written")
+            self._suppressed = 0
+
+    def _write(self, line: str):
+        try:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr closed or gone: nothing to tell
+            pass
+
+
+def _one_line_logs():
+    handler = _RateLimitedLines(sys.stderr)
+    for name in ("aiohttp.server", "aiohttp.web", _log.name):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def _read_batch(body, need_labels: bool):
@@ -38,6 +104,31 @@ def _read_batch(body, need_labels: bool):
                                or not all(isinstance(x, (str, int, float)) for x in labels)):
         return f"'labels' must be a list of {n} strings or numbers, one per query"
     return queries, prompts or [""] * n, labels if labels is not None else [""] * n
+
+
+async def _read_json(request, read_timeout: float, max_body_mb: float):
+    """The request's JSON body, or (status, message) when it is not one."""
+    from aiohttp import web
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    # The protocol is plain JSON: a compressed body is refused unread (no decompression bomb to open).
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        return 415, f"Content-Encoding {encoding} is not accepted; send the JSON body uncompressed"
+    try:  # the headers had their own time: the server's keepalive_timeout
+        raw = await asyncio.wait_for(request.read(), read_timeout)
+    except asyncio.TimeoutError:
+        return 408, f"the request body did not arrive within --read_timeout {read_timeout:g} s"
+    except web.HTTPRequestEntityTooLarge:
+        return 413, f"body over --max_body_mb {max_body_mb:g}"
+    except HttpProcessingError as e:  # e.g. broken chunked framing
+        return 400, f"body is malformed ({' '.join(str(e.message).split())})"
+    try:
+        return json.loads(raw)  # bytes: UTF-8 (or 16, 32) as JSON says, whatever charset the header names
+    except RecursionError:
+        return 400, "body is not JSON this service reads (nested too deeply)"
+    except ValueError as e:
+        return 400, f"body is not JSON ({e})"
 
 
 async def _math_batch(pool, queries, prompts, labels) -> dict:
@@ -64,39 +155,54 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
     """The aiohttp application; raises RewardFileError for a bad --reward.func_path."""
     from aiohttp import web
 
+    from openrlhf_async.reward.admission import Admission, ServiceBusy
     from openrlhf_async.reward.math_verify_reward import MathVerifyPool
     from openrlhf_async.reward.sources import RewardError, RewardTimeout, load_reward_func
 
     # A plain def reward_func runs in the worker processes, where a hung call is killed.
     func = load_reward_func(func_path, timeout, workers=workers, max_concurrency=max_concurrency) if func_path else None
     pool = None if func else MathVerifyPool(workers, timeout, max_concurrency)
-    func_slots = asyncio.Semaphore(max_concurrency)
+    if func is not None:  # an async def reward_func runs on the event loop, up to max_concurrency calls at once
+        on_loop = inspect.iscoroutinefunction(func.func)
+        admission = Admission(max_concurrency if on_loop else workers, max_concurrency, timeout,
+                              "places for reward_func calls" if on_loop else "reward_func workers")
+        more = "--max_concurrency" if on_loop else "--workers"
+    counts = collections.Counter()  # failures by kind, for GET /health
+
+    def refuse(request, status: int, message: str, **headers):
+        counts[f"answered_{status}"] += 1
+        _log.warning("answered %d to %s from %s: %s", status, request.path, request.remote, message)
+        return web.json_response({"error": message}, status=status, headers=headers)
 
     async def score(request):
-        try:  # the headers had their own time: the server's keepalive_timeout
-            body = await asyncio.wait_for(request.json(), read_timeout)
-        except asyncio.TimeoutError:
-            return _bad_request(f"the request body did not arrive within --read_timeout {read_timeout:g} s", 408)
-        except web.HTTPRequestEntityTooLarge:
-            return _bad_request(f"body over --max_body_mb {max_body_mb:g}", 413)
-        except ValueError as e:
-            return _bad_request(f"body is not JSON ({e})")
+        body = await _read_json(request, read_timeout, max_body_mb)
+        if isinstance(body, tuple):
+            status, message = body
+            return refuse(request, status, message, **({"Accept-Encoding": "identity"} if status == 415 else {}))
         batch = _read_batch(body, need_labels=func is None)
         if isinstance(batch, str):
-            return _bad_request(batch)
+            return refuse(request, 400, batch)
         queries, prompts, labels = batch
         if func is None:
-            return web.json_response({**await _math_batch(pool, queries, prompts, labels), "timeout": timeout})
+            out = await _math_batch(pool, queries, prompts, labels)
+            counts["sample_errors"] += len(out["errors"])
+            return web.json_response({**out, "timeout": timeout})
         try:
-            async with func_slots:
+            async with admission.slot():
                 results = await func.score(queries, prompts, labels)
+        except ServiceBusy as e:  # the client retries a 5xx with backoff; by then a worker is free
+            return refuse(request, 503, f"{e}; retry later, or start the service with more {more}",
+                          **{"Retry-After": str(math.ceil(timeout))})
         except RewardTimeout as e:  # as for a math sample over its time: scored 0 and listed
+            counts["timeouts"] += 1
+            _log.warning("%s; %s (%d so far)", e, "the call was cancelled" if on_loop else
+                         "its worker was killed and replaced", counts["timeouts"])
             n = len(queries)
             return web.json_response({"rewards": [0.0] * n, "scores": [0.0] * n, "timeout": timeout,
                                       "errors": [{"index": i, "error": f"RewardTimeout: {e}"} for i in range(n)],
                                       "extra_logs": {"reward_errors": [1.0] * n}})
         except RewardError as e:  # the reward_func fails on this request: it would fail again, so not a 5xx
-            return _bad_request(f"RewardError: {e}", 422)
+            return refuse(request, 422, f"RewardError: {e}")
         logged = [k for k in (results[0]["extra"] if results else {}) if all(k in r["extra"] for r in results)]
         return web.json_response({"rewards": [r["reward"] for r in results],
                                   "scores": [r["score"] for r in results],
@@ -104,7 +210,8 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
                                   "errors": [], "timeout": timeout})
 
     async def health(request):
-        return web.json_response({"status": "ok"})
+        workers_now = {"running": admission.running, "waiting": admission.waiting} if func is not None else {}
+        return web.json_response({"status": "ok", **workers_now, "counts": dict(counts)})
 
     async def start_workers(app):
         if pool is not None:  # start the math-verify workers before listening, not inside the first requests
@@ -116,41 +223,30 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
         if func is not None:
             await func.close()
 
-    app = web.Application(client_max_size=int(max_body_mb * 2 ** 20))
+    # Rounded up: a limit of 0 bytes would be no limit at all.
+    app = web.Application(client_max_size=math.ceil(max_body_mb * 2 ** 20))
     app.add_routes([web.post("/score", score), web.post("/get_reward", score), web.get("/health", health)])
     app.on_startup.append(start_workers)
     app.on_cleanup.append(stop_workers)
     return app
 
 
-def _at_least_one(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number; give 1 or more") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number} would never score anything; give 1 or more")
-    return number
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a port number; give a whole number from 1 to 65535")
-    return port
-
-
-def _positive(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not 0 < number < math.inf:  # false for nan
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number above 0; give one such as 10")
-    return number
+def _in_range(kind, low: float, high: float, why: str):
+    """An argparse type: a number of `kind` from low to high, else a one-line error with the range and why."""
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            number = math.nan
+        if not low <= number <= high:  # false for nan
+            raise argparse.ArgumentTypeError(f"{value!r} is not {'a whole' if kind is int else 'a'} number from "
+                                             f"{low:g} to {high:g} ({why})")
+        return number
+    return parse
 
 
 class _Parser(argparse.ArgumentParser):
@@ -171,18 +267,25 @@ def _bind_error(e: OSError, host: str, port: int) -> str:
 
 
 def main(argv=None) -> int:
+    cpus = _cpus()
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
-    parser.add_argument("--port", type=_port, default=5000)
+    parser.add_argument("--port", type=_in_range(int, 1, 65535, "a TCP port"), default=5000)
     parser.add_argument("--reward.func_path", dest="func_path", default="",
                         help="an OpenRLHF reward_func .py file; empty: the built-in math-verify reward")
-    parser.add_argument("--workers", type=_at_least_one, default=2,
-                        help="worker processes scoring samples (math-verify, or a plain def reward_func)")
-    parser.add_argument("--timeout", type=_positive, default=10.0,
-                        help="seconds one sample (or one reward_func call) may take on a worker")
-    parser.add_argument("--max_concurrency", type=_at_least_one, default=64, help="samples scored at once")
-    parser.add_argument("--max_body_mb", type=_positive, default=16, help="largest request body accepted")
-    parser.add_argument("--read_timeout", type=_positive, default=30.0,
+    # More processes than a few per CPU only queue for it (an I/O-bound reward_func should be an async def).
+    parser.add_argument("--workers", type=_in_range(int, 1, 4 * cpus, f"4 per CPU; this machine has {cpus}"),
+                        default=2, help="worker processes scoring samples (math-verify, or a plain def reward_func)")
+    parser.add_argument("--timeout", type=_in_range(float, 0.1, 3600, "seconds"), default=10.0,
+                        help="seconds one sample (or one reward_func call) may take on a worker; a reward_func "
+                             "call waits for a worker at most this and 5 s more (then 503)")
+    parser.add_argument("--max_concurrency", type=_in_range(int, 1, 4096, "more would only wait for the workers"),
+                        default=64,
+                        help="math-verify samples scored at once; reward_func calls that may wait (more get 503)")
+    # At least 1 KB: 0.0000001 once rounded to 0 bytes, which aiohttp takes for no limit at all.
+    parser.add_argument("--max_body_mb", type=_in_range(float, 0.001, 1024, "1 KB to 1 GB"), default=16,
+                        help="largest request body accepted")
+    parser.add_argument("--read_timeout", type=_in_range(float, 1, 3600, "seconds"), default=30.0,
                         help="seconds a client may take to send a request's headers, and then its body; a slower "
                              "or stalled connection is closed")
     args = parser.parse_args(argv)
@@ -197,12 +300,14 @@ def main(argv=None) -> int:
     except RewardFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _one_line_logs()
     try:
         # keepalive_timeout: since aiohttp 3.14.4 it runs from the connection's start and is not reset by incoming
         # bytes, so a client that has not sent whole headers by then is closed (slow or stalled alike).
         # lingering_time: how long an unread request body is drained after the answer.
+        # auto_decompress off: a compressed body reaches the handler as it came, and is refused there (415).
         web.run_app(app, host=args.host, port=args.port, access_log=None, keepalive_timeout=args.read_timeout,
-                    lingering_time=min(10.0, args.read_timeout), handler_cancellation=True,
+                    lingering_time=min(10.0, args.read_timeout), handler_cancellation=True, auto_decompress=False,
                     print=lambda _: print(f"reward server listening on http://{args.host}:{args.port}", flush=True))
     except OSError as e:
         print(f"error: {_bind_error(e, args.host, args.port)}", file=sys.stderr)
