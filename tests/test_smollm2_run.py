@@ -59,6 +59,7 @@ def test_a_short_smollm2_run_leaves_checkpoints_that_generate_the_same_greedy_te
          "4", "--train.batch_size", "8", "--rollout.vllm_generate_batch_size", "4", "--rollout.max_new_tokens", "48",
          "--train.max_steps", "2", "--eval.steps", "-1", "--ckpt.save_steps", "2", "--actor.adam.lr", "1e-4",
          "--train.max_tokens_per_gpu", "256", "--runs_dir", str(tmp_path / "runs"), "--run_name", "smol",
+         "--algo.dynamic_filtering_max_num_gen_batches", "40",  # two steps for sure: the base model is not "solved"
          "--no-progress"],
         capture_output=True, text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
