@@ -193,7 +193,7 @@ class RunCgroup:
     `close()` says whether the kernel killed the run at the limit and removes the cgroup."""
 
     def __init__(self, limit_bytes: int):
-        self.path, self.limit_bytes = None, limit_bytes
+        self.path = None
         found = _hierarchy_here()
         if found is None:
             return
