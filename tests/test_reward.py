@@ -113,7 +113,7 @@ def test_hostile_latex_hangs_inline_but_is_bounded_by_the_pool():
 
 
 def test_math_verify_uses_the_configured_default_pool():
-    configure_math_verify(workers=1, timeout=5, max_concurrency=4)
+    configure_math_verify(workers=1, timeout=5)
 
     async def run():
         return await asyncio.gather(
@@ -126,6 +126,48 @@ def test_math_verify_uses_the_configured_default_pool():
         assert [r["pred"] for r in results] == ["\\dfrac{1}{4}", "\\dfrac{1}{3}", None, "7"]
     finally:
         configure_math_verify()  # back to the defaults; closes the pool this test started
+
+
+def test_in_an_engine_a_hostile_answer_costs_only_its_own_worker():
+    """math_verify as the built-in agent calls it, 4 hostile answers among 36 healthy ones on 2 workers: each hostile
+    one is a RewardTimeout, every healthy one is scored, and only the worker of a hostile answer is killed and
+    replaced (the pool once restarted both workers on every timeout, re-running or failing the samples beside it)."""
+    import psutil
+
+    def workers():
+        pids = set()
+        for child in psutil.Process().children():
+            try:
+                if "spawn_main" in " ".join(child.cmdline()):
+                    pids.add(child.pid)
+            except psutil.Error:  # gone, or a zombie of a killed worker
+                pass
+        return pids
+
+    configure_math_verify(workers=2, timeout=0.5)
+    samples = [(HOSTILE, "1") if i % 10 == 0 else (f"\\boxed{{\\frac{{{i}}}{{8}}}}", str(i / 8)) for i in range(40)]
+    before, seen = workers(), set()
+
+    async def watch():
+        while True:
+            seen.update(workers() - before)
+            await asyncio.sleep(0.05)
+
+    async def run():
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await math_verify("\\boxed{\\frac12}", "0.5")  # the default pool started
+            return await asyncio.gather(*(math_verify(c, label) for c, label in samples), return_exceptions=True)
+        finally:
+            watcher.cancel()
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        configure_math_verify()
+    assert all(isinstance(r, RewardTimeout) for r in results[::10])
+    assert [r["score"] for i, r in enumerate(results) if i % 10] == [1.0] * 36
+    assert 2 <= len(seen) <= 2 + 4  # both workers, and at most one replacement per hostile answer
 
 
 def _write(tmp_path, text):

@@ -1,6 +1,6 @@
 """The reward service as a separate process, and the RemoteReward client against it: bad requests, a restart in
-the middle of a burst, and a service that stays down; hostile input: hung reward_func calls, malformed bodies and
-encodings by the hundred, flags beyond what the machine can take."""
+the middle of a burst, and a service that stays down; hostile input: hung reward_func calls and math answers,
+malformed bodies and encodings by the hundred, flags beyond what the machine can take."""
 
 import asyncio
 import gzip
@@ -281,6 +281,72 @@ def test_fifty_hung_reward_func_calls_do_not_delay_a_healthy_one(tmp_path):
     assert (health["running"], health["waiting"]) == (0, 0)
 
 
+async def _post_math(http, server, queries, labels):
+    async with http.post(server.make_url("/score"), json={"query": queries, "labels": labels}) as resp:
+        return resp.status, await resp.json()
+
+
+def test_fifty_hostile_math_samples_do_not_delay_a_healthy_one():
+    """The built-in math-verify reward with 50 requests whose answer sympy does not come back from ahead of a healthy
+    one, 2 workers: the healthy one is answered within a few seconds (it once waited behind every hostile sample,
+    and each one's timeout restarted both workers: 33 s); each hostile one is a counted RewardTimeout (its worker
+    alone killed) or a 503 that the client retries."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from openrlhf_async.cli.reward_server import build_app
+
+    async def run():
+        # timeout 0.5 s: below math-verify's own 1 s floor, so each hostile sample is ended by killing its worker.
+        async with TestServer(build_app(workers=2, timeout=0.5)) as server, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            hostile = [asyncio.ensure_future(_post_math(http, server, [HOSTILE], ["1"])) for _ in range(50)]
+            await asyncio.sleep(0.5)  # all 50 are in: 2 on the workers, 48 waiting
+            start = time.monotonic()
+            healthy = await asyncio.wait_for(_post_math(http, server, ["\\boxed{\\frac12}"], ["0.5"]), 60)
+            elapsed = time.monotonic() - start
+            hostile = await asyncio.gather(*hostile)
+            async with http.get(server.make_url("/health")) as resp:
+                return healthy, elapsed, hostile, await resp.json()
+
+    (status, out), elapsed, hostile, health = asyncio.run(run())
+    assert status == 200 and out["rewards"] == [1.0] and out["errors"] == [] and elapsed < 10, elapsed
+    timed_out = [o for s, o in hostile if s == 200 and o["rewards"] == [0.0]
+                 and o["errors"][0]["error"].startswith("RewardTimeout: math-verify took over 0.5 s")]
+    busy = [o for s, o in hostile if s == 503 and "all 2 math-verify workers stayed busy" in o["error"]]
+    assert len(timed_out) + len(busy) == 50 and timed_out and busy
+    assert health["counts"] == {"timeouts": len(timed_out), "answered_503": len(busy)}
+    assert (health["running"], health["waiting"]) == (0, 0)
+
+
+def test_a_math_batch_is_let_in_whole_or_refused_whole_at_a_full_queue():
+    """A batch of more samples than the queue holds is scored when it comes to a free queue; a request that comes to
+    a full one is answered 503 at once, unless its answers need no worker (plain numbers)."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from openrlhf_async.cli.reward_server import build_app
+
+    async def run():
+        async with TestServer(build_app(workers=1, timeout=0.5, max_concurrency=2)) as server, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            batch = await _post_math(http, server, [f"\\boxed{{\\frac{{{i}}}{{8}}}}" for i in range(12)],
+                                     [str(i / 8) for i in range(12)])
+            hostile = [asyncio.ensure_future(_post_math(http, server, [HOSTILE], ["1"])) for _ in range(3)]
+            await asyncio.sleep(0.2)  # one on the worker, two waiting: the queue is full
+            start = time.monotonic()
+            refused = await _post_math(http, server, ["\\boxed{\\frac12}"], ["0.5"])
+            refused_after = time.monotonic() - start
+            plain = await _post_math(http, server, ["\\boxed{7}"], ["7"])
+            await asyncio.gather(*hostile)
+            return batch, refused, refused_after, plain
+
+    (status, out), (refused, why), refused_after, plain = asyncio.run(run())
+    assert status == 200 and out["rewards"] == [1.0] * 12 and out["errors"] == []
+    assert refused == 503 and "2 samples already wait for the 1 math-verify workers" in why["error"]
+    assert refused_after < 2 and plain[0] == 200 and plain[1]["rewards"] == [1.0]
+
+
 def _admitted(order, size, queue, call_timeout, arrivals):
     """The order in which Admission lets calls in: each (name, arrival s, run s); ServiceBusy ones as '!name'."""
     from openrlhf_async.reward.admission import Admission, ServiceBusy
@@ -409,7 +475,10 @@ def test_slow_and_stalled_clients_are_closed_within_the_read_timeout(tmp_path):
         opened.append(kind)
         if len(opened) == connections:
             all_open.set()
-        answer = await reader.read()  # until the server closes the connection
+        try:
+            answer = await reader.read()  # until the server closes the connection
+        except ConnectionResetError:  # closed while the client still wrote (a trickle): the kernel resets it
+            answer = b""
         if trickle is not None:
             trickle.cancel()
         writer.close()

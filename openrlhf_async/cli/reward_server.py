@@ -3,9 +3,9 @@
 POST /score (or /get_reward) {"query": [...], "prompts": [...], "labels": [...]} answers
 {"rewards", "scores", "extra_logs", "errors", "timeout"}; with no --reward.func_path it scores with the built-in
 math-verify reward. Each sample (or reward_func call) runs on a worker under --timeout: one over it scores 0.0 and
-is listed in "errors", and its worker is killed. A reward_func call waits at most --timeout and 5 s more for a
-worker, else answers 503, however many hung calls came before it. A reward_func that raises answers 422, a bad
-request 4xx. A client must send its headers, and then its body, each within --read_timeout, or its connection is
+is listed in "errors", and its worker alone is killed. A sample (or call) waits at most --timeout and 5 s more for a
+worker, else its request answers 503, however many hung ones came before it. A reward_func that raises answers 422,
+a bad request 4xx. A client must send its headers, and then its body, each within --read_timeout, or its connection is
 closed. Failures are counted in GET /health and logged in one line each, at most 10 lines a second."""
 
 import argparse
@@ -131,11 +131,28 @@ async def _read_json(request, read_timeout: float, max_body_mb: float):
         return 400, f"body is not JSON ({e})"
 
 
-async def _math_batch(pool, queries, prompts, labels) -> dict:
+async def _math_batch(pool, admission, queries, prompts, labels) -> dict:
+    """The batch's answer; ServiceBusy when the queue is full as it comes, or a sample found no worker in time."""
+    from openrlhf_async.reward.admission import ServiceBusy
+
     # The query is prompt + response: only the response may hold the answer (prompts carry worked examples).
     responses = [q[len(p):] if p and q.startswith(p) else q for q, p in zip(queries, prompts)]
-    results = await asyncio.gather(*(pool.score(r, str(label)) for r, label in zip(responses, labels)),
-                                   return_exceptions=True)
+    labels = [str(label) for label in labels]
+    # A request is let in whole, so that a batch larger than the queue is served too, or refused whole.
+    if admission.full and any(map(pool.needs_worker, responses, labels)):
+        raise ServiceBusy(f"{admission.queue} samples already wait for the {admission.size} {admission.what}")
+    tasks = [asyncio.ensure_future(pool.score(r, label, admission)) for r, label in zip(responses, labels)]
+    try:
+        pending = tasks
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            busy = [task.exception() for task in done if isinstance(task.exception(), ServiceBusy)]
+            if busy:
+                raise busy[0]
+    finally:  # the rest leave the queue; those already on a worker finish there, unread
+        for task in tasks:
+            task.cancel()
+    results = [task.exception() or task.result() for task in tasks]
     rewards, errors = [], []
     for i, result in enumerate(results):
         if isinstance(result, BaseException):
@@ -161,8 +178,10 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
 
     # A plain def reward_func runs in the worker processes, where a hung call is killed.
     func = load_reward_func(func_path, timeout, workers=workers, max_concurrency=max_concurrency) if func_path else None
-    pool = None if func else MathVerifyPool(workers, timeout, max_concurrency)
-    if func is not None:  # an async def reward_func runs on the event loop, up to max_concurrency calls at once
+    pool = None if func else MathVerifyPool(workers, timeout)
+    if func is None:
+        admission, more = Admission(workers, max_concurrency, timeout, "math-verify workers"), "--workers"
+    else:  # an async def reward_func runs on the event loop, up to max_concurrency calls at once
         on_loop = inspect.iscoroutinefunction(func.func)
         admission = Admission(max_concurrency if on_loop else workers, max_concurrency, timeout,
                               "places for reward_func calls" if on_loop else "reward_func workers")
@@ -174,6 +193,13 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
         _log.warning("answered %d to %s from %s: %s", status, request.path, request.remote, message)
         return web.json_response({"error": message}, status=status, headers=headers)
 
+    def math_answer(out):
+        for error in out["errors"]:
+            kind = "timeouts" if error["error"].startswith("RewardTimeout") else "sample_errors"
+            counts[kind] += 1
+            _log.warning("%s (%d %s so far)", error["error"], counts[kind], kind)
+        return web.json_response({**out, "timeout": timeout})
+
     async def score(request):
         body = await _read_json(request, read_timeout, max_body_mb)
         if isinstance(body, tuple):
@@ -183,11 +209,9 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
         if isinstance(batch, str):
             return refuse(request, 400, batch)
         queries, prompts, labels = batch
-        if func is None:
-            out = await _math_batch(pool, queries, prompts, labels)
-            counts["sample_errors"] += len(out["errors"])
-            return web.json_response({**out, "timeout": timeout})
         try:
+            if func is None:
+                return math_answer(await _math_batch(pool, admission, queries, prompts, labels))
             async with admission.slot():
                 results = await func.score(queries, prompts, labels)
         except ServiceBusy as e:  # the client retries a 5xx with backoff; by then a worker is free
@@ -210,12 +234,12 @@ def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_
                                   "errors": [], "timeout": timeout})
 
     async def health(request):
-        workers_now = {"running": admission.running, "waiting": admission.waiting} if func is not None else {}
-        return web.json_response({"status": "ok", **workers_now, "counts": dict(counts)})
+        return web.json_response({"status": "ok", "running": admission.running, "waiting": admission.waiting,
+                                  "counts": dict(counts)})
 
     async def start_workers(app):
         if pool is not None:  # start the math-verify workers before listening, not inside the first requests
-            await pool.score("\\boxed{\\frac{1}{2}}", "0.5")
+            await pool.start()
 
     async def stop_workers(app):
         if pool is not None:
@@ -277,11 +301,12 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=_in_range(int, 1, 4 * cpus, f"4 per CPU; this machine has {cpus}"),
                         default=2, help="worker processes scoring samples (math-verify, or a plain def reward_func)")
     parser.add_argument("--timeout", type=_in_range(float, 0.1, 3600, "seconds"), default=10.0,
-                        help="seconds one sample (or one reward_func call) may take on a worker; a reward_func "
-                             "call waits for a worker at most this and 5 s more (then 503)")
+                        help="seconds one sample (or one reward_func call) may take on a worker; it waits for a "
+                             "worker at most this and 5 s more (then 503)")
     parser.add_argument("--max_concurrency", type=_in_range(int, 1, 4096, "more would only wait for the workers"),
                         default=64,
-                        help="math-verify samples scored at once; reward_func calls that may wait (more get 503)")
+                        help="math-verify samples or reward_func calls that may wait for a worker (a request that "
+                             "finds that many waiting gets 503)")
     # At least 1 KB: 0.0000001 once rounded to 0 bytes, which aiohttp takes for no limit at all.
     parser.add_argument("--max_body_mb", type=_in_range(float, 0.001, 1024, "1 KB to 1 GB"), default=16,
                         help="largest request body accepted")

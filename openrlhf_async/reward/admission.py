@@ -1,6 +1,7 @@
-"""The reward service's admission to its reward_func workers: at most `size` calls run and at most `queue` wait,
-and none waits longer than one call's timeout and WORKER_START_S more, so a backlog of hung calls cannot hold a
-later request for longer than that: it is served, or answered ServiceBusy (503) and retried by its client.
+"""The reward service's admission to its workers (reward_func calls, or math-verify samples): at most `size` calls
+run and at most `queue` wait, and none waits longer than one call's timeout and WORKER_START_S more, so a backlog
+of hung calls cannot hold a later request for longer than that: it is served, or answered ServiceBusy (503) and
+retried by its client.
 
 Waiters are served oldest first while the queue moves, and newest first once the oldest has waited longer than a
 call may run: the workers are then held by calls running to their timeout, most likely hung, and the oldest waiters
@@ -30,20 +31,25 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def full(self) -> bool:
+        return len(self._waiters) >= self.queue
+
     @contextlib.asynccontextmanager
-    async def slot(self):
-        """Holds one of the `size` places while the block runs; ServiceBusy when none came in time."""
-        await self._acquire()
+    async def slot(self, past_full_queue: bool = False):
+        """Holds one of the `size` places while the block runs; ServiceBusy when none came in time, or when `queue`
+        already wait (unless past_full_queue: a sample of a request that was let in whole)."""
+        await self._acquire(past_full_queue)
         try:
             yield
         finally:
             self._release()
 
-    async def _acquire(self):
+    async def _acquire(self, past_full_queue: bool):
         if self.running < self.size and not self._waiters:
             self.running += 1
             return
-        if len(self._waiters) >= self.queue:
+        if self.full and not past_full_queue:
             raise ServiceBusy(f"{self.queue} requests already wait for the {self.size} {self.what}")
         loop = asyncio.get_running_loop()
         entry = (loop.time(), loop.create_future())

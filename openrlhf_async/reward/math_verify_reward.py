@@ -1,19 +1,17 @@
 """Verifiable math reward: 1.0 when the completion's final answer equals the label, else 0.0.
 
 `math_score` is the sync check; `MathVerifyPool` runs it in worker processes, because pathological LaTeX can
-hang sympy and only a process can be killed; `math_verify` is the async call agents use."""
+hang sympy and only a process can be killed (one per sample over its time, never its neighbours'); `math_verify` is
+the async call agents use."""
 
 import asyncio
 import logging
-import os
 import re
-import threading
-import time
 import weakref
 from decimal import Decimal, InvalidOperation
 
 from openrlhf_async.reward.sources import RewardError, RewardTimeout
-from openrlhf_async.utils.user_code import exit_with_parent
+from openrlhf_async.utils.user_code import UserWorkers
 
 # math-verify warns on every call when its signal-based timeout is off; it must be off outside the main thread.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -27,8 +25,6 @@ _INLINE_MATH = re.compile(r"\$([^$]+)\$")
 # so a number written out stays short.
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][+-]?\d{1,3})?")
 _EXPRESSION = re.compile(r"[\w\s+\-*/^().,=<>{}\[\]|!%\\$:']+")
-
-_STARTUP_TIMEOUT = 120.0  # seconds fresh workers may take to import sympy and math-verify on a busy machine
 
 # Seconds math-verify's own (SIGALRM) timeouts allow each parse and comparison; set only in pool workers,
 # where scoring runs in the process's main thread.
@@ -136,121 +132,92 @@ def math_score(completion: str, label) -> dict:
     return _result(bool(parsed) and verify(gold, parsed, timeout_seconds=_SIGNAL_TIMEOUT), pred)
 
 
-def _worker_init(signal_timeout: int, parent_pid: int):
+def _load_math_score(signal_timeout: int):
+    """math_score, as a worker process loads it: sympy and math-verify imported and run once here, outside any
+    sample's timeout."""
     global _SIGNAL_TIMEOUT
     _SIGNAL_TIMEOUT = signal_timeout
-    # A killed engine or server (SIGKILL, ray.kill) cannot stop its workers: they notice and leave.
-    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
-    import math_verify  # noqa: F401  (paid once per worker, not inside a sample's timeout)
+    math_score("\\boxed{\\frac{1}{2}}", "0.5")
+    return math_score
 
 
-def _warm() -> bool:
-    return math_score("\\boxed{\\frac{1}{2}}", "0.5")["score"] == 1.0
+def _retrieve(task):
+    if not task.cancelled():
+        task.exception()  # a sample whose caller left: its outcome is dropped, not logged as never retrieved
 
 
 class MathVerifyPool:
-    """math_score in worker processes, bounded and under a timeout; a hung worker is killed and replaced."""
+    """math_score in `workers` processes, one sample each at a time, each under the timeout. A sample over it has
+    its own worker killed and replaced (the next sample there waits for the fresh one to start, outside its own
+    timeout); the samples beside it run on."""
 
-    def __init__(self, workers: int = 2, timeout: float = 10.0, max_concurrency: int = 64):
-        self.workers, self.timeout, self.max_concurrency = workers, timeout, max_concurrency
+    def __init__(self, workers: int = 2, timeout: float = 10.0):
+        self.workers, self.timeout = workers, timeout
         # Soft first line inside workers: each parse or comparison stops after this many whole seconds.
         self.signal_timeout = max(1, int(timeout / 4))
-        self._pool, self._warmup = None, None
-        self._lock = threading.Lock()
-        self._per_loop = weakref.WeakKeyDictionary()  # event loop -> (admission, worker slots): loop-bound
+        self._workers = UserWorkers(workers, _load_math_score, (self.signal_timeout,), "math-verify")
+        self._turns = weakref.WeakKeyDictionary()  # event loop -> semaphore over the workers (loop-bound)
 
-    def _limits(self):
-        loop = asyncio.get_running_loop()
-        if loop not in self._per_loop:
-            # Slots: a sample's timeout starts when a worker is free for it, not while it queues.
-            self._per_loop[loop] = (asyncio.Semaphore(self.max_concurrency), asyncio.Semaphore(self.workers))
-        return self._per_loop[loop]
+    def needs_worker(self, completion: str, label) -> bool:
+        """False when the answer is settled without sympy (no answer, or two plain numbers)."""
+        return _fast_score(completion, label) is None
 
-    def _ready_pool(self):
-        import concurrent.futures
-        import multiprocessing
+    async def start(self):
+        """Starts every worker now, rather than inside the first samples."""
+        await asyncio.gather(*(self._workers.call("\\boxed{\\frac{1}{2}}", "0.5", timeout=self.timeout)
+                               for _ in range(self.workers)))
 
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_worker_init, initargs=(self.signal_timeout, os.getpid()))
-                # One warm-up task per worker starts them all now, each importing sympy outside any timeout.
-                self._warmup = [self._pool.submit(_warm) for _ in range(self.workers)]
-            return self._pool, self._warmup
-
-    def _kill(self, pool):
-        with self._lock:
-            if self._pool is pool:
-                self._pool, self._warmup = None, None
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-
-    def _kill_if_stuck(self, pool, future):
-        if not future.done():
-            self._kill(pool)
-
-    async def score(self, completion: str, label) -> dict:
-        """Raises RewardTimeout when math-verify runs past the timeout, RewardError when a worker fails."""
-        from concurrent.futures.process import BrokenProcessPool
-
+    async def score(self, completion: str, label, admission=None) -> dict:
+        """Raises RewardTimeout when math-verify runs past the timeout, RewardError when its worker fails.
+        admission: the reward service's, where a sample waits at most its patience for a worker (else ServiceBusy);
+        None (in an engine): samples wait their turn. A caller that gives up on a sample already on a worker leaves
+        it to finish there, within its timeout, so that the worker is kept rather than killed."""
         fast = _fast_score(completion, label)
         if fast is not None:
             return fast
-        admission, slots = self._limits()
-        async with admission, slots:
-            for _ in range(2):
-                pool, warmup = self._ready_pool()
-                try:
-                    started = await asyncio.wait_for(asyncio.gather(
-                        *map(asyncio.wrap_future, warmup), return_exceptions=True), _STARTUP_TIMEOUT)
-                    if not all(ok is True for ok in started):
-                        raise BrokenProcessPool(f"math-verify workers did not start ({started})")
-                    future = pool.submit(math_score, completion, label)
-                except asyncio.TimeoutError:
-                    self._kill(pool)
-                    raise RewardError(f"math-verify workers did not start within {_STARTUP_TIMEOUT:g} s") from None
-                except (BrokenProcessPool, RuntimeError) as e:  # killed under us (another sample's timeout)
-                    self._kill(pool)
-                    cause = e
-                    continue
-                deadline = time.monotonic() + self.timeout
-                try:
-                    return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
-                except asyncio.TimeoutError:
-                    self._kill(pool)  # a hung worker cannot be cancelled, only killed
-                    raise RewardTimeout(f"math-verify took over {self.timeout:g} s on answer "
-                                        f"{extract_answer(completion)[:80]!r}; its worker was replaced") from None
-                except asyncio.CancelledError:
-                    # Our caller gave up first; the worker may still be stuck on this sample.
-                    timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._kill_if_stuck,
-                                            (pool, future))
-                    timer.daemon = True
-                    timer.start()
-                    raise
-                except BrokenProcessPool as e:  # a worker died (killed for another sample, or crashed)
-                    self._kill(pool)
-                    cause = e
-                except Exception as e:
-                    raise RewardError(f"math-verify failed: {type(e).__name__}: {e}") from e
-            raise RewardError(f"math-verify worker process died twice ({type(cause).__name__}: {cause})")
+        placed = asyncio.Event()
+        run = asyncio.ensure_future(self._on_worker(completion, label, admission, placed))
+        try:
+            return await asyncio.shield(run)
+        except asyncio.CancelledError:
+            if placed.is_set():
+                run.add_done_callback(_retrieve)
+            else:
+                run.cancel()
+            raise
+
+    def _place(self, admission):
+        if admission is not None:
+            return admission.slot(past_full_queue=True)  # the service refuses whole requests at a full queue
+        loop = asyncio.get_running_loop()
+        if loop not in self._turns:
+            self._turns[loop] = asyncio.Semaphore(self.workers)
+        return self._turns[loop]
+
+    async def _on_worker(self, completion: str, label, admission, placed: asyncio.Event) -> dict:
+        async with self._place(admission):
+            placed.set()
+            try:
+                return await self._workers.call(completion, label, timeout=self.timeout)
+            except asyncio.TimeoutError:
+                raise RewardTimeout(f"math-verify took over {self.timeout:g} s on answer "
+                                    f"{extract_answer(completion)[:80]!r}; its worker was replaced") from None
+            except Exception as e:  # its worker died or did not start, or math-verify raised
+                raise RewardError(f"math-verify failed: {type(e).__name__}: {e}") from e
 
     def close(self):
-        with self._lock:
-            pool = self._pool
-        if pool is not None:
-            self._kill(pool)
+        self._workers.close()
 
 
-_DEFAULT_OPTIONS = {"workers": 2, "timeout": 10.0, "max_concurrency": 64}
+_DEFAULT_OPTIONS = {"workers": 2, "timeout": 10.0}
 _DEFAULT_POOL = None
 
 
-def configure_math_verify(workers: int = 2, timeout: float = 10.0, max_concurrency: int = 64):
-    """Options of this process's default pool (the one `math_verify` uses); takes effect on its next call."""
+def configure_math_verify(workers: int = 2, timeout: float = 10.0):
+    """Options of this process's default pool (the one `math_verify` uses); takes effect on its next call. Samples
+    beyond the workers wait their turn."""
     global _DEFAULT_POOL
-    _DEFAULT_OPTIONS.update(workers=workers, timeout=timeout, max_concurrency=max_concurrency)
+    _DEFAULT_OPTIONS.update(workers=workers, timeout=timeout)
     if _DEFAULT_POOL is not None:
         _DEFAULT_POOL.close()
         _DEFAULT_POOL = None

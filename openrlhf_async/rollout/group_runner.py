@@ -28,7 +28,7 @@ class GroupRunner:
         self.agent(self.agent_path)
         # The built-in math-verify reward (the default agent's) runs in this many processes of this engine, for
         # every group: it is one pool per process, whatever reward source a call picks.
-        configure_math_verify(reward.workers, reward.timeout, reward.max_concurrency)
+        configure_math_verify(reward.workers, reward.timeout)
         self.reward_settings = reward.source()
         self.rewards = {}  # make_reward's settings -> reward source (None: the agent's own step rewards stand)
         self.reward_source(self.reward_settings)
