@@ -1,5 +1,6 @@
-"""The policy: one Ray actor per DeepSpeed rank (ZeRO-3 by default), trained with the DAPO/GRPO loss and an
-off-policy correction against the rollout logprobs; optionally a frozen reference model for a KL penalty.
+"""The policy: one Ray actor per DeepSpeed rank (any ZeRO stage, 2 by default as in OpenRLHF), trained with the
+DAPO/GRPO loss and an off-policy correction against the rollout logprobs; optionally a frozen reference model for a KL
+penalty, in a DeepSpeed config of its own (frozen_model_config).
 
 Rank 0 also owns the sender side of the weight-sync group into the vLLM engines."""
 
