@@ -192,8 +192,8 @@ class CriticConfig:
 class RefConfig:
     num_nodes: int = setting(1, "reference model nodes", openrlhf=_REF_ON_POLICY)
     num_gpus_per_node: int = setting(8, "reference model GPUs per node", openrlhf=_REF_ON_POLICY)
-    offload: bool = setting(False, "offload the reference model to CPU memory",
-                            openrlhf="no effect: the reference model stays on the policy's devices")
+    offload: bool = setting(False, "keep the reference model's ZeRO-3 parameter partitions in CPU memory (DeepSpeed "
+                                   "offload_param; no effect below --ds.zero_stage 3)", openrlhf="same")
 
 
 @dataclass
@@ -536,8 +536,8 @@ class DSConfig:
     zero_stage: int = setting(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3), openrlhf="same")
     param_dtype: str = setting("bf16", "training dtype (fp32 is this project's addition, for CPU runs)",
                                choices=("bf16", "fp16", "fp32"), openrlhf="differs: fp32 is also accepted")
-    adam_offload: bool = setting(False, "DeepSpeed: keep the optimizer state in CPU memory (cuda only)",
-                                 openrlhf="same")
+    adam_offload: bool = setting(False, "DeepSpeed ZeRO-Offload: the optimizer state in CPU memory, stepped by "
+                                        "DeepSpeed's CPU Adam (needs --ds.zero_stage 1, 2 or 3)", openrlhf="same")
     grad_accum_dtype: Optional[str] = setting(None, "DeepSpeed gradient accumulation dtype (fp32, bf16, fp16)",
                                               type=str, choices=("fp32", "bf16", "fp16"), openrlhf="same")
     overlap_comm: bool = setting(False, "DeepSpeed ZeRO: overlap gradient reduction with the backward pass",
@@ -899,6 +899,7 @@ def validate(cfg: Config) -> Config:
     _validate_rollout(cfg)
     _validate_algo(cfg)
     _validate_model(cfg)
+    _validate_deepspeed(cfg)
     _validate_reward_and_eval(cfg)
     _validate_pipeline(cfg)
     _validate_logger(cfg)
@@ -1133,10 +1134,22 @@ def _validate_model(cfg: Config) -> None:
         notice(f"--data.max_len {cfg.data.max_len} is above the model's max_position_embeddings ({positions}): "
                f"sequences are capped at {positions} tokens")
         cfg.data.max_len = positions
-    if cfg.device == "cpu" and cfg.ds.adam_offload:
-        notice("--ds.adam_offload has no effect on cpu: the optimizer state is in CPU memory already")
     if cfg.device == "cpu" and cfg.ds.param_dtype == "fp16":
         raise ConfigError("--ds.param_dtype fp16 does not train on cpu; use bf16 or fp32")
+
+
+def _validate_deepspeed(cfg: Config) -> None:
+    """The offloads against the ZeRO stage. On cpu they run as on cuda (DeepSpeed's CPU Adam, ZeRO-3 partitions in
+    host memory), so the CPU runs go through the same DeepSpeed code as the GPU runs."""
+    stage = cfg.ds.zero_stage
+    if cfg.ds.adam_offload and stage == 0:
+        raise ConfigError("--ds.adam_offload needs --ds.zero_stage 1, 2 or 3: ZeRO-Offload moves the ZeRO optimizer's "
+                          "state, and stage 0 has no ZeRO optimizer")
+    if cfg.ref.offload and cfg.algo.kl_init_coef == 0:
+        notice("--ref.offload has no effect with --algo.kl.init_coef 0: no reference model is loaded")
+    elif cfg.ref.offload and stage != 3:
+        notice(f"--ref.offload has no effect with --ds.zero_stage {stage}: only ZeRO-3 partitions the reference "
+               "model's parameters, and only partitions are offloaded (as in OpenRLHF)")
 
 
 def _model_positions(model: Optional[str]):

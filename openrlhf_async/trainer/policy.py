@@ -1,5 +1,6 @@
-"""The policy: one Ray actor per DeepSpeed rank (ZeRO-3 by default), trained with the DAPO/GRPO loss and an
-off-policy correction against the rollout logprobs; optionally a frozen reference model for a KL penalty.
+"""The policy: one Ray actor per DeepSpeed rank (any ZeRO stage, 2 by default as in OpenRLHF), trained with the
+DAPO/GRPO loss and an off-policy correction against the rollout logprobs; optionally a frozen reference model for a KL
+penalty, in a DeepSpeed config of its own (frozen_model_config).
 
 Rank 0 also owns the sender side of the weight-sync group into the vLLM engines."""
 
@@ -79,7 +80,7 @@ EMPTY_SAMPLE = {"prompt_ids": [0, 0], "response_ids": []}
 
 
 def deepspeed_config(ds: dict, max_norm: float) -> dict:
-    """The DeepSpeed config of the policy (and of its reference model) from the --ds.* settings."""
+    """The DeepSpeed config of the policy from the --ds.* settings."""
     zero = {"stage": ds["zero_stage"], "overlap_comm": ds["overlap_comm"]}
     if ds["zpg"] > 1:
         zero["zero_hpz_partition_size"] = ds["zpg"]
@@ -98,6 +99,25 @@ def deepspeed_config(ds: dict, max_norm: float) -> dict:
     if ds["grad_accum_dtype"]:
         config["data_types"] = {"grad_accum_dtype": ds["grad_accum_dtype"]}
     return config
+
+
+def frozen_model_config(ds: dict) -> dict:
+    """The DeepSpeed config of a frozen model (the reference model) from the same --ds.* settings, as OpenRLHF's
+    get_eval_ds_config: ZeRO-3 where the policy is ZeRO-3 (parameters partitioned alike), else stage 0 (stages 1 and 2
+    partition only optimizer state and gradients, which a frozen model has none of, and DeepSpeed refuses them
+    without an optimizer); the policy's dtype; with --ref.offload its ZeRO-3 partitions in CPU memory."""
+    stage = 3 if ds["zero_stage"] == 3 else 0
+    zero = {"stage": stage}
+    if stage == 3 and ds["ref_offload"]:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds["dtype"] == "bf16"},
+        "fp16": {"enabled": ds["dtype"] == "fp16"},
+        "steps_per_print": 10**9,
+    }
 
 
 class PolicyActor:
@@ -145,13 +165,25 @@ class PolicyActor:
                                   num_training_steps=total, scheduler_specific_kwargs=extra)
         self.engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config)
-        self.reference = None
-        if reference:  # the initial policy, frozen (partitioned like the policy under ZeRO-3)
-            ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load)
-            self.reference, *_ = deepspeed.initialize(model=ref_model.eval().requires_grad_(False), config=ds_config)
+        self.reference = self._load_reference(model_path, load, frozen_model_config(ds)) if reference else None
         self.model_path = model_path
         self.sync_group = None
         self.timeline = Timeline(f"rank {rank}")
+
+    def _load_reference(self, model_path: str, load: dict, ds_config: dict):
+        """The initial policy, frozen, in a DeepSpeed engine of its own config (frozen_model_config)."""
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+        # Under ZeRO-3 from_pretrained partitions the weights by the one config transformers holds (the last one
+        # made): the reference's for this load (its parameter offload), then the policy's again.
+        hf_ds_config = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
+        model = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        if hf_ds_config is not None:
+            set_hf_deepspeed_config(self._hf_ds_config)
+        engine, *_ = deepspeed.initialize(model=model.eval().requires_grad_(False), config=ds_config)
+        return engine
 
     def take_spans(self) -> list:
         return self.timeline.take()
@@ -242,10 +274,19 @@ class PolicyActor:
             tokens += int(mask.sum())
         self.engine.set_gradient_accumulation_boundary(True)
         lr = self.engine.get_lr()[0]  # the rate this step uses (step() moves the schedule on)
+        # At ZeRO stage 0 with fp32 weights DeepSpeed clips the plain optimizer's gradients without keeping their
+        # norm: it is measured here, on the gradients each rank holds averaged over all ranks.
+        plain_norm = self._grad_norm() if self.zero_stage == 0 else None
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = plain_norm if grad_norm is None else grad_norm
         return {**figures, "tokens": tokens, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                 "lr": lr}
+
+    @torch.no_grad()
+    def _grad_norm(self):
+        norms = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else None
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list, temperature: float, layout: dict, reference: bool = False) -> list:
@@ -494,7 +535,7 @@ class PolicyGroup:
 def ds_settings(cfg) -> dict:
     d = cfg.ds
     return {"zero_stage": d.zero_stage, "dtype": cfg.dtype, "overlap_comm": d.overlap_comm, "zpg": d.zpg,
-            "adam_offload": d.adam_offload and cfg.device == "cuda", "grad_accum_dtype": d.grad_accum_dtype}
+            "adam_offload": d.adam_offload, "grad_accum_dtype": d.grad_accum_dtype, "ref_offload": cfg.ref.offload}
 
 
 def optimizer_settings(cfg) -> dict:
