@@ -1,6 +1,7 @@
 """A run spread over several nodes, on a real 2-node Ray cluster on loopback (two raylets; 2 fake GPUs each, so
 placement groups of the cuda shapes can be placed): engine actors see the node's GPUs, the trainer ranks are placed
-first and together, and the driver's network variables reach actors on every node."""
+first and together, the driver's network variables reach actors on every node, and folders the ranks write on another
+node are checked to be shared with the driver."""
 
 import os
 
@@ -117,3 +118,30 @@ def test_the_drivers_network_variables_reach_actors_on_every_node(cluster):
                      runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         assert {k: env.get(k) for k in NETWORK} == NETWORK and env["OMP_NUM_THREADS"] == "1"
 
+
+def test_folders_the_ranks_write_on_another_node_must_be_the_drivers(cluster, tmp_path):
+    """The driver writes a token file in --ckpt.output_dir and --ckpt.path and a task on each rank's node reads it.
+    Here both raylets share the disk, so a plain folder passes; /proc/self/fd/<a descriptor only the driver holds> is a
+    folder for the driver and none for any other process: a disk the other node does not share."""
+    from openrlhf_async.config import ConfigError
+    from openrlhf_async.utils.cluster import check_shared_folders
+
+    driver, other = cluster
+    shared = preset_config("--ckpt.output_dir", str(tmp_path / "out"), "--ckpt.path", str(tmp_path / "ckpt"),
+                           "--ckpt.save_steps", "1")
+    check_shared_folders(shared, {driver, other})
+    assert list(tmp_path.iterdir()) == []  # no token file left, no folder made before the run writes it
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        unshared = preset_config("--ckpt.output_dir", str(tmp_path / "out"), "--ckpt.path", f"/proc/self/fd/{fd}/ckpt",
+                                 "--ckpt.save_steps", "1")
+        check_shared_folders(unshared, {driver})  # ranks on the driver's node write where it reads
+        with pytest.raises(ConfigError) as refused:
+            check_shared_folders(unshared, {driver, other})
+    finally:
+        os.close(fd)
+    message = str(refused.value)
+    assert message.startswith(f"--ckpt.path /proc/self/fd/{fd}/ckpt: trainer ranks run on node ") and "\n" not in message
+    assert "DeepSpeed" in message and "every node mounts" in message
+    assert list(tmp_path.iterdir()) == []

@@ -70,13 +70,14 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
 
 def start_actors(cfg, model_path: str) -> tuple:
     """(engine fleet, policy ranks), loading side by side. The ranks' placement group is placed before any engine's,
-    so PACK puts the ranks on as few nodes as hold them (utils/cluster.py)."""
+    so PACK puts the ranks on as few nodes as hold them, and the folders they write are checked to be the driver's
+    (utils/cluster.py) before the engines start."""
     from openrlhf_async.rollout.fleet import start_fleet
     from openrlhf_async.trainer.policy import PolicyGroup
-    from openrlhf_async.utils.cluster import PlacedFirst
+    from openrlhf_async.utils.cluster import PlacedFirst, check_shared_folders
 
     ranks = PlacedFirst(lambda: PolicyGroup(cfg, model_path))
-    ranks.nodes()  # their placement group placed: only now are the engines' asked for
+    check_shared_folders(cfg, ranks.nodes())
     return start_fleet(cfg, model_path), ranks.result()
 
 
@@ -89,6 +90,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
+    from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
     from openrlhf_async.utils.metrics import MetricsLog
     from openrlhf_async.utils.samples import SampleText
 
@@ -120,6 +122,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
             log.close()
         policy.shutdown()
         policy = PolicyGroup(cfg, model_path)
+        check_shared_folders(cfg, group_nodes(policy.group))  # the new ranks may sit on other nodes
 
 
 def save_model(cfg, policy) -> str:
