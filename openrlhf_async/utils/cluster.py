@@ -22,6 +22,16 @@ def network_env(environ=None) -> dict:
     return {k: v for k, v in environ.items() if k.startswith(NETWORK_PREFIXES) or k in NETWORK_NAMES}
 
 
+def submit_runtime_env(repo: str) -> str:
+    """The runtime_env (JSON) of `ray job submit` in examples/scripts/submit.sh: the repo as every node's working
+    directory (relative agent paths resolve there too), and the network variables of the submitting shell, which the
+    job's actors would otherwise never see."""
+    env, network = {"working_dir": repo, "excludes": [".git", ".venv", "runs", "data"]}, network_env()
+    if network:
+        env["env_vars"] = network
+    return json.dumps(env)
+
+
 def connect() -> None:
     """Join the Ray cluster at RAY_ADDRESS (or start one here) with the driver's network variables in the job's
     runtime_env, so every actor of the run gets them, on any node. Variables a `ray job submit` runtime_env sets
