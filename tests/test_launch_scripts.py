@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import free_port
+from openrlhf_async.utils.cluster import network_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "examples", "scripts")
@@ -53,16 +54,28 @@ def _dry_run(script, data_dir, *flags):
                           text=True, env=env, timeout=120)
 
 
+GPU_SCRIPTS = ["train_dapo_qwen3_8b_async.sh", "train_fully_async_qwen25_math_7b.sh", "train_tool_agent_qwen3_8b.sh"]
+
+
+def _memory(tokens: int) -> dict:
+    """What a GPU recipe needs to fit and to survive: activations recomputed, micro batches of a token budget
+    (packed), a resumable checkpoint every 20 steps."""
+    return {"actor.gradient_checkpointing_enable": True, "train.dynamic_batch_enable": True,
+            "train.max_tokens_per_gpu": tokens, "rollout.max_tokens_per_gpu": tokens, "ds.packing_samples": True,
+            "ckpt.save_steps": 20}
+
+
 @pytest.mark.parametrize("script, gpus, expected", [
     ("train_dapo_qwen3_8b_async.sh", 16, {"rollout.n_samples_per_prompt": 16, "actor.eps_clip_low_high": [0.2, 0.28],
                                            "reward.overlong_buffer_len": 4096, "rollout.max_new_tokens": 20480,
                                            "actor.adam_lr": 1e-6, "mode": "async",
-                                           "rollout.batch_size": 512, "train.batch_size": 512}),
+                                           "rollout.batch_size": 512, "train.batch_size": 512, **_memory(24576)}),
     ("train_fully_async_qwen25_math_7b.sh", 16, {"train.staleness_threshold": 0.5, "train.partial_rollout_enable": True,
                                                   "train.trigger_parameter_sync_step": 4,
-                                                  "train.require_batches": 4, "mode": "fully_async"}),
+                                                  "train.require_batches": 4, "mode": "fully_async",
+                                                  **_memory(16384)}),
     ("train_tool_agent_qwen3_8b.sh", 8, {"agent.func_path": "agents/python_tool_multi_turn.py",
-                                         "agent.max_steps": 4}),
+                                         "agent.max_steps": 4, **_memory(16384)}),
     ("train_cpu_demo.sh", 0, {"device": "cpu", "mode": "fully_async", "train.partial_rollout_enable": True}),
 ])
 def test_every_script_passes_its_dry_run(data_dir, script, gpus, expected):
@@ -79,6 +92,27 @@ def test_every_script_passes_its_dry_run(data_dir, script, gpus, expected):
         assert section == value, key
     if script != "train_cpu_demo.sh":  # the GPU recipes train on DAPO-Math and evaluate on AIME, as prepared
         assert report["datasets"] == {"train_rows": 2, "eval_rows": 2}
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_a_submitted_job_carries_the_network_variables_to_every_node(tmp_path, script):
+    """Without --dry_run the script runs `ray job submit` (here a stand-in `ray` that prints its arguments): the
+    job's runtime_env holds the repo and the network variables exported where it is submitted."""
+    fake = tmp_path / "ray"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    network = {"NCCL_SOCKET_IFNAME": "ens5", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "GLOO_SOCKET_IFNAME": "ens5",
+               "NCCL_DEBUG": "WARN"}
+    env = {**{k: v for k, v in os.environ.items() if k not in network_env()}, **network,
+           "PYTHON": sys.executable, "PATH": f"{tmp_path}:{BIN}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, script), "--train.max_steps", "3"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)
+    runtime_env = json.loads(argv[argv.index("--runtime-env-json") + 1])
+    assert runtime_env["working_dir"] == REPO and runtime_env["env_vars"] == network
+    assert argv[argv.index("--") + 1:][:3] == ["python3", "-m", "openrlhf_async.cli.train_async"]
+    assert argv[-2:] == ["--train.max_steps", "3"]
 
 
 def test_a_dry_run_rejects_a_bad_override_with_one_line(data_dir):

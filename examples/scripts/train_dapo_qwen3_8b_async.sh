@@ -9,6 +9,9 @@
 # clipped at 0.2 / 0.28 against the policy before the first (--actor.proximal_policy recompute), the ratio weighted
 # by token-level TIS against vLLM's log-probs (clip 0..2), which also bounds the one batch of staleness of async.
 # Every setting is an OpenRLHF 0.11.2 flag or one of this project's.
+# Network: export NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME, NCCL_DEBUG, ... before running it: submit.sh
+# hands them to every rank and engine on every node. Checkpoints (--ckpt.path) and the final model must be on storage
+# every node mounts at the same path (the run checks it at start).
 # Usage: bash examples/scripts/train_dapo_qwen3_8b_async.sh [--dry_run] [more flags]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
@@ -28,6 +31,7 @@ submit \
   --algo.advantage.is_correction_threshold 0 2 \
   --actor.eps_clip_low_high 0.2 0.28 --actor.adam.lr 1e-6 --actor.adam.weight_decay 0.1 --actor.lr_scheduler constant \
   --reward.overlong_buffer_len 4096 --reward.overlong_penalty_factor 1.0 \
-  --train.micro_batch_size 1 --train.max_steps 2000 \
+  --actor.gradient_checkpointing_enable --train.dynamic_batch_enable --train.max_tokens_per_gpu 24576 \
+  --ds.packing_samples --train.max_steps 2000 --ckpt.save_steps 20 \
   --eval.steps 10 --eval.n_samples_per_prompt 32 --eval.temperature 1.0 --eval.top_p 0.7 \
   "$@"

@@ -11,6 +11,9 @@
 # sampler itself.
 # Resources: 16 GPUs (2 nodes x 8): 8 vLLM engines (tensor parallel 1) + 8 DeepSpeed ZeRO-3 trainer ranks.
 # Data: as in train_dapo_qwen3_8b_async.sh.
+# Network: export NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME, NCCL_DEBUG, ... before running it: submit.sh
+# hands them to every rank and engine on every node. Checkpoints (--ckpt.path) and the final model must be on storage
+# every node mounts at the same path (the run checks it at start).
 # Usage: bash examples/scripts/train_fully_async_qwen25_math_7b.sh [--dry_run] [more flags]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
@@ -31,6 +34,7 @@ submit \
   --algo.advantage.is_correction_threshold 0 2 \
   --actor.eps_clip_low_high 0.2 0.28 --actor.adam.lr 1e-6 --actor.adam.weight_decay 0.1 --actor.lr_scheduler constant \
   --reward.overlong_buffer_len 512 --reward.overlong_penalty_factor 1.0 \
-  --train.micro_batch_size 4 --train.max_steps 500 \
+  --actor.gradient_checkpointing_enable --train.dynamic_batch_enable --train.max_tokens_per_gpu 16384 \
+  --ds.packing_samples --train.max_steps 500 --ckpt.save_steps 20 \
   --eval.steps 10 --eval.n_samples_per_prompt 32 --eval.temperature 1.0 --eval.top_p 0.7 \
   "$@"

@@ -7,6 +7,9 @@
 # Resources: 8 GPUs (1 node): 4 vLLM engines (tensor parallel 1) + 4 DeepSpeed ZeRO-3 trainer ranks.
 # Data: prepare_data --dataset dapo-math-17k --instruction "Use Python when it helps (write a \`\`\`python block);
 #       put your final answer within \\boxed{}." (see the README), and aime24 likewise.
+# Network: export NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME, NCCL_DEBUG, ... before running it: submit.sh
+# hands them to every rank and engine on every node. Checkpoints (--ckpt.path) and the final model must be on storage
+# every node mounts at the same path (the run checks it at start).
 # Usage: bash examples/scripts/train_tool_agent_qwen3_8b.sh [--dry_run] [more flags]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/submit.sh"
@@ -26,6 +29,7 @@ submit \
   --algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip \
   --algo.advantage.is_correction_threshold 0 2 \
   --actor.eps_clip_low_high 0.2 0.28 --actor.adam.lr 1e-6 --actor.lr_scheduler constant \
-  --train.micro_batch_size 2 --train.max_steps 500 \
+  --actor.gradient_checkpointing_enable --train.dynamic_batch_enable --train.max_tokens_per_gpu 16384 \
+  --ds.packing_samples --train.max_steps 500 --ckpt.save_steps 20 \
   --eval.steps 10 --eval.n_samples_per_prompt 16 --eval.temperature 1.0 --eval.top_p 0.7 \
   "$@"

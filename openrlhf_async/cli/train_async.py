@@ -160,6 +160,7 @@ def main(argv=None) -> int:
     import ray
 
     from openrlhf_async.trainer.run import train
+    from openrlhf_async.utils.cluster import connect
     from openrlhf_async.utils.ray_utils import root_cause
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: a stuck run's stacks on stderr
@@ -169,8 +170,7 @@ def main(argv=None) -> int:
     # A Ray cluster this run starts kills a dead worker's whole process group: an engine actor killed outright
     # (SIGKILL, the OOM killer) must not leave its vLLM processes holding the device.
     os.environ.setdefault("RAY_process_group_cleanup_enabled", "1")
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    connect()  # the Ray cluster at RAY_ADDRESS, or one of its own
     try:
         check_cluster(cfg)
         summary = train(cfg, model_path, train_rows, eval_rows, resume)

@@ -262,9 +262,17 @@ def executor_backend(vllm) -> Optional[str]:
 
 
 def engine_env(cfg) -> dict:
-    """Environment of an engine actor: small KV cache and quiet logs on CPU."""
+    """Environment of an engine actor (the network variables come with the job's: utils/cluster.connect): GPUs seen
+    with tensor parallel, a small KV cache and quiet logs on CPU."""
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false",
            "OPENRLHF_ASYNC_SANDBOX": cfg.agent.sandbox}  # read by agent/sandbox.py in the engine and its workers
+    if engine_gpus(cfg) == 0:
+        # Ray empties CUDA_VISIBLE_DEVICES in an actor that takes no GPU unless its worker has this variable (from the
+        # runtime_env: the driver's environment reaches only a raylet the driver started). With tensor parallel the
+        # engine and its engine-core process must see the node's GPUs; its Ray workers take theirs from the bundles.
+        env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "0"
+    if cfg.vllm.tensor_parallel_size > 1:
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(cfg.vllm.tensor_parallel_size))
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kvcache_space_gib)
         if executor_backend(cfg.vllm) == "uni":
@@ -273,25 +281,33 @@ def engine_env(cfg) -> dict:
     return env
 
 
-def start_engine(cfg, model_path: str, engine_id: int, group):
-    """One engine actor in its placement group (fleet.engine_placement_group): the actor in bundle 0, and with tensor
-    parallel vLLM's Ray workers in the group's bundles (VLLM_RAY_BUNDLE_INDICES), so they never span nodes."""
-    import ray
+def engine_gpus(cfg) -> int:
+    """GPUs the engine actor itself takes: one on cuda without tensor parallel; with it, vLLM's Ray workers take
+    them (a bundle each), the engine none."""
+    return 1 if cfg.device == "cuda" and cfg.vllm.tensor_parallel_size == 1 else 0
+
+
+def engine_actor_options(cfg, group) -> dict:
+    """Ray options of an engine actor in its placement group (fleet.engine_placement_group): the actor in bundle 0,
+    and with tensor parallel vLLM's Ray workers in the group's bundles (VLLM_RAY_BUNDLE_INDICES, placement captured by
+    child tasks), so they never span nodes; its environment (engine_env) in its runtime_env."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    tp, env = cfg.vllm.tensor_parallel_size, engine_env(cfg)
-    if tp > 1:
-        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(tp))
-    # On CPU an engine takes --vllm.cpus_per_engine (0 by default: vLLM runs its own processes and a 2-core box must
-    # fit them all); on cuda with tensor parallel its workers take the GPUs.
-    resources = {"num_gpus": 1 if cfg.device == "cuda" and tp == 1 else 0,
-                 "num_cpus": cfg.vllm.cpus_per_engine if cfg.device == "cpu" else 0}
     strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                 placement_group_capture_child_tasks=True)
+    # On CPU an engine takes --vllm.cpus_per_engine (0 by default: vLLM runs its own processes and a 2-core box must
+    # fit them all).
+    return {"num_gpus": engine_gpus(cfg), "num_cpus": cfg.vllm.cpus_per_engine if cfg.device == "cpu" else 0,
+            "scheduling_strategy": strategy, "runtime_env": {"env_vars": engine_env(cfg)}}
+
+
+def start_engine(cfg, model_path: str, engine_id: int, group):
+    """One engine actor in its placement group (engine_actor_options)."""
+    import ray
+
     # Named, so an operator (or a fault injector) can find it: `ray list actors`, ray.util.list_named_actors().
     name = f"openrlhf_async-engine-{engine_id}-{uuid.uuid4().hex[:8]}"
-    return ray.remote(LLMRayActorAsync).options(**resources, scheduling_strategy=strategy, name=name,
-                                                runtime_env={"env_vars": env}).remote(
+    return ray.remote(LLMRayActorAsync).options(**engine_actor_options(cfg, group), name=name).remote(
         model_path, engine_id, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
         seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer)
 

@@ -19,9 +19,6 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     import ray
     from transformers import AutoTokenizer
 
-    from openrlhf_async.rollout.fleet import start_fleet
-    from openrlhf_async.trainer.policy import PolicyGroup
-
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
     train_prompts = tokenize_prompts(tokenizer, train_rows, cfg.data.apply_chat_template, cfg.data.input_template)
@@ -33,8 +30,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     train_prompts = skip_unfit_prompts(train_prompts, cfg.data.max_len, "--data.prompt_dataset", mark=True)
     eval_prompts = skip_unfit_prompts(eval_prompts, cfg.data.max_len, "--eval.dataset", mark=False)
 
-    fleet = start_fleet(cfg, model_path)  # engines and ranks start side by side
-    policy = PolicyGroup(cfg, model_path)
+    fleet, policy = start_actors(cfg, model_path)
     try:
         ray.get(fleet.wait_ready.remote())
         setup_s = time.perf_counter() - start
@@ -72,6 +68,19 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     return summary
 
 
+def start_actors(cfg, model_path: str) -> tuple:
+    """(engine fleet, policy ranks), loading side by side. The ranks' placement group is placed before any engine's,
+    so PACK puts the ranks on as few nodes as hold them, and the folders they write are checked to be the driver's
+    (utils/cluster.py) before the engines start."""
+    from openrlhf_async.rollout.fleet import start_fleet
+    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.utils.cluster import PlacedFirst, check_shared_folders
+
+    ranks = PlacedFirst(lambda: PolicyGroup(cfg, model_path))
+    check_shared_folders(cfg, ranks.nodes())
+    return start_fleet(cfg, model_path), ranks.result()
+
+
 def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts: list, eval_prompts: list,
                   resume) -> tuple:
     """The pipeline from the start or from `resume`; when a policy rank, the trainer or the generator dies, again
@@ -81,6 +90,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
+    from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
     from openrlhf_async.utils.metrics import MetricsLog
     from openrlhf_async.utils.samples import SampleText
 
@@ -112,6 +122,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
             log.close()
         policy.shutdown()
         policy = PolicyGroup(cfg, model_path)
+        check_shared_folders(cfg, group_nodes(policy.group))  # the new ranks may sit on other nodes
 
 
 def save_model(cfg, policy) -> str:
