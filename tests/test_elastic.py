@@ -239,3 +239,79 @@ def test_trainer_ranks_follow_their_placement_group_and_rendezvous_on_rank_0s_ow
     assert len(set(spread["rank_nodes"])) == 2 and len(set(pack["rank_nodes"])) == 1
     for placed in (spread, pack):
         assert placed["rendezvous_node"] == placed["rank_nodes"][0]
+
+
+def _long_requests(engines, prompt, per_engine: int, max_tokens: int, tag: str) -> list:
+    """per_engine long requests on each engine, returned once every engine is generating them."""
+    sampling = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
+    refs = [e.generate.remote(prompt, sampling, f"{tag}-{k}-{i}") for k, e in enumerate(engines)
+            for i in range(per_engine)]
+
+    def running(actor):
+        return sum(1 for s in actor.engine.output_processor.request_states.values() if s.detokenizer.num_output_tokens())
+
+    deadline = time.time() + 120
+    while min(ray.get([e.__ray_call__.remote(running) for e in engines])) < per_engine // 2:
+        assert time.time() < deadline, "the requests never started"
+        time.sleep(0.05)
+    return refs
+
+
+@pytest.fixture
+def short_sync(engines, policy, weight_sync):
+    """A weight sync of the shared engines and policy whose --vllm.sync_timeout is 2 s (plus the given flags); the
+    shared one forms its group again afterwards and goes on from the version this one reached."""
+    from openrlhf_async.trainer.weight_sync import WeightSync
+
+    made = []
+
+    def make(*flags):
+        sync = WeightSync(policy, engines, preset_config("--vllm.num_engines", "2", "--vllm.sync_timeout", "2", *flags))
+        sync.version = weight_sync.version
+        made.append(sync)
+        return sync
+
+    yield make
+    weight_sync.grouped = None
+    weight_sync.version = max([weight_sync.version] + [s.version for s in made])
+
+
+def test_a_drain_longer_than_the_sync_timeout_is_no_hang_and_keeps_every_engine(engines, short_sync,
+                                                                                  tiny_model_path):
+    """Async mode drains the engines before a sync ("wait"). A drain of long responses takes longer than
+    --vllm.sync_timeout, yet the engines make progress all along: none is killed, the sync completes, and every
+    request ends whole on the old weights."""
+    from test_weight_sync import _prompt_ids
+
+    sync = short_sync()
+    old = sync.version
+    refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 256, 220, "long-drain")
+    start = time.time()
+    sync.sync("wait")
+    took = time.time() - start
+    outs = ray.get(refs)
+    print(f"drain and sync took {took:.1f} s against a sync timeout of {sync.timeout:g} s")
+    assert took > 2 * sync.timeout, f"the drain ({took:.1f} s) was too short to test anything"
+    assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
+    assert all(ray.get(e.get_weight_version.remote()) == old + 1 for e in engines)
+    assert all(len(o["response_ids"]) == 220 and set(o["token_versions"]) == {old} for o in outs)
+    assert sync.drain_frozen == 0
+
+
+def test_a_drain_past_its_bound_freezes_the_running_requests_which_go_on_with_the_new_weights(
+        engines, short_sync, tiny_model_path):
+    """--vllm.sync_drain_timeout bounds the drain: the requests still running then are frozen as in partial rollout,
+    not aborted and no engine killed; after the sync they finish, their later tokens tagged with the new version."""
+    from test_weight_sync import _prompt_ids
+
+    sync = short_sync("--vllm.sync_drain_timeout", "0.5")
+    old = sync.version
+    refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 64, 220, "bounded-drain")
+    sync.sync("wait")
+    outs = ray.get(refs)
+    assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
+    assert all(len(o["response_ids"]) == 220 and o["finish_reason"] == "length" for o in outs)
+    spanning = [o for o in outs if set(o["token_versions"]) == {old, old + 1}]
+    assert spanning and sync.drain_frozen >= len(spanning), "no request was frozen at the drain's bound"
+    for o in spanning:
+        assert o["token_versions"] == sorted(o["token_versions"]), "tokens of the old weights after new ones"

@@ -67,6 +67,7 @@ class LLMRayActorAsync:
         self.aborted_groups: set = set()
         self.weight_version = 0
         self.version_marks: dict = {}  # request id -> VersionMarks, while it runs
+        self.tokens_finished = 0  # tokens of the requests that ended (progress() adds those running)
         self.runner = GroupRunner(agent, reward, self.tokenizer)
 
     def ready(self) -> bool:
@@ -96,7 +97,7 @@ class LLMRayActorAsync:
             self.timeline.begin("generate")
             self.groups.setdefault(group_id, set()).add(request_id)
             marks = self.version_marks[request_id] = VersionMarks(self.weight_version)
-            queue = None
+            queue = final = None
             try:
                 queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
                 marks.registered = True
@@ -108,6 +109,8 @@ class LLMRayActorAsync:
                     await self.engine.abort(request_id)
                 raise
             finally:
+                if final is not None:
+                    self.tokens_finished += len(final.outputs[0].token_ids)
                 self.in_flight.pop(request_id, None)
                 self.version_marks.pop(request_id, None)
                 if not self.in_flight:
@@ -192,12 +195,33 @@ class LLMRayActorAsync:
         await self.engine.collective_rpc("init_weight_sync_group",
                                          args=(host, port, rank_offset, world_size, backend, timeout_s))
 
-    async def pause(self, mode: str = "keep") -> None:
+    def progress(self) -> int:
+        """Tokens generated so far (those of running requests included): the liveness probe of a weight sync, cheap
+        and answered while a pause drains. A count that moves is an engine at work, however long its drain."""
+        states = self.engine.output_processor.request_states.values()
+        return self.tokens_finished + sum(s.detokenizer.num_output_tokens() for s in states)
+
+    async def pause(self, mode: str = "keep", drain_timeout: float = None) -> int:
         """Pause generation until resume(). A weight sync pauses every engine before any collective starts: "wait"
         lets running requests finish on the old weights (a long drain inside the broadcast could trip the
-        collective's watchdog), "keep" freezes them (partial rollout)."""
+        collective's watchdog), "keep" freezes them (partial rollout). A drain lasts drain_timeout seconds at most
+        (None: until the requests end); those still running then are frozen as with "keep" and continue on the new
+        weights, their later tokens tagged with its version. Freezing rather than aborting keeps their tokens (the
+        longest responses: aborting them would bias training against length) and, like a drain, trains them no
+        staler than their first token. Returns how many requests were frozen so."""
         self.timeline.begin("sync")
-        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        pausing = asyncio.ensure_future(self.engine.pause_generation(mode=mode, clear_cache=False))
+        if mode != "wait" or drain_timeout is None:
+            await pausing
+            return 0
+        drained, _ = await asyncio.wait({pausing}, timeout=drain_timeout)
+        states = self.engine.output_processor.request_states.values()
+        frozen = 0 if drained else sum(1 for s in states if s.detokenizer.num_output_tokens())
+        if not drained:
+            # vLLM's keep pause completes the pending wait pause too: the scheduler counts frozen requests as none.
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+        await pausing
+        return frozen
 
     async def receive_weights(self, buckets: list, version: int) -> int:
         """Load the weights trainer rank 0 broadcasts (the call blocks until every bucket arrived), with generation

@@ -28,10 +28,12 @@ class WeightSync:
     """The weight-sync group and the broadcasts over it, surviving engines that die or hang on the way.
 
     A sync pauses every engine first (finished before any collective starts), forms the group again when its members
-    changed, broadcasts, and resumes the engines. An engine that dies, or takes longer than --vllm.sync_timeout to
-    pause, join or load, is killed and left out (and reported to the fleet, which replaces it); the broadcast is then
-    made again to the others if it did not complete there. An engine's version is only set once all its weights
-    arrived, and the engines that did not get them never resume."""
+    changed, broadcasts, and resumes the engines. A pause that drains running requests ("wait") lasts
+    --vllm.sync_drain_timeout at most, after which the engine freezes what still runs; while it drains, an engine whose
+    count of generated tokens moves is at work, not hung. An engine that dies, or goes --vllm.sync_timeout without
+    progress while it pauses, joins or loads, is killed and left out (and reported to the fleet, which replaces it);
+    the broadcast is then made again to the others if it did not complete there. An engine's version is only set once
+    all its weights arrived, and the engines that did not get them never resume."""
 
     attempts = 3  # broadcasts tried before a sync gives up
 
@@ -42,6 +44,7 @@ class WeightSync:
 
         self.policy, self.fleet = policy, fleet
         self.tp, self.backend, self.timeout = cfg.vllm.tensor_parallel_size, cfg.backend, cfg.vllm.sync_timeout
+        self.drain_timeout = cfg.vllm.sync_drain_timeout
         self.buckets = plan_buckets(ray.get(policy.actors[0].named_shapes.remote()),
                                     cfg.train.weight_sync_bucket_mb << 20)
         self.members = dict(enumerate(engines)) if fleet is None else ray.get(fleet.active.remote())
@@ -49,6 +52,7 @@ class WeightSync:
         self.version = 0
         self.engine_version = 0  # the version every engine in the group holds
         self.engines_dropped = 0  # engines left out of a sync, dead or hung
+        self.drain_frozen = 0  # requests frozen when a drain reached --vllm.sync_drain_timeout
         self.members = self._connect(self.members)
 
     @property
@@ -96,7 +100,7 @@ class WeightSync:
 
     def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
         """Pause, (re)form the group, broadcast, resume; returns the engines that got the weights."""
-        members = self._keep(members, self._call(members, "pause", pause_mode))
+        members = self._pause(members, pause_mode)
         for _ in range(self.attempts):
             if not members:
                 return {}
@@ -107,6 +111,44 @@ class WeightSync:
                 return self._keep(members, self._call(members, "resume"))
         raise RuntimeError(f"the weight broadcast to engines {sorted(members)} failed {self.attempts} times with no "
                            "engine to blame; see the engines' logs")
+
+    def _pause(self, members: dict, mode: str) -> dict:
+        """Pause the engines ("wait": drain, for --vllm.sync_drain_timeout at most); returns those paused."""
+        refs = [submit(e, "pause", mode, self.drain_timeout) for e in members.values()]
+        outcomes = self._watch(members, refs, self.drain_timeout + self.timeout)
+        frozen = sum(value for kind, value in outcomes if kind == "ok")
+        if frozen:
+            self.drain_frozen += frozen
+            print(f"weight sync: the drain reached --vllm.sync_drain_timeout {self.drain_timeout:g} s; {frozen} running "
+                  "requests frozen, to continue on the new weights", flush=True)
+        return self._keep(members, outcomes)
+
+    def _watch(self, members: dict, refs: list, limit_s: float) -> list:
+        """The outcomes (as _outcomes gives them) of long calls to these engines. A call is hung when its engine's
+        count of generated tokens (progress(), a cheap call answered meanwhile) stays still, or goes unanswered, for
+        --vllm.sync_timeout, or when it runs past limit_s: a long drain that makes progress is not a hang."""
+        import ray
+
+        poll = min(5.0, self.timeout / 4)
+        start = time.monotonic()
+        moved = {i: (None, start) for i in members}  # engine id -> (its last count, when it last changed)
+        pending = {i: ref for i, ref in zip(members, refs) if not isinstance(ref, Exception)}
+        hung = set()
+        while pending:
+            ready = set(ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)[0])
+            pending = {i: ref for i, ref in pending.items() if ref not in ready}
+            if not pending:
+                break
+            probes = {i: submit(members[i], "progress") for i in pending}
+            answers = _outcomes(list(probes.values()), poll)
+            now = time.monotonic()
+            for i, (kind, count) in zip(probes, answers):
+                if kind == "ok" and count != moved[i][0]:
+                    moved[i] = (count, now)
+                if now - moved[i][1] > self.timeout or now - start > limit_s:
+                    hung.add(i)
+                    pending.pop(i)
+        return [("hung", None) if i in hung else outcome for i, outcome in zip(members, _outcomes(refs, 0))]
 
     def _call(self, members: dict, method: str, *args) -> list:
         return _outcomes([submit(e, method, *args) for e in members.values()], self.timeout)
