@@ -53,6 +53,7 @@ class WeightSync:
         self.engine_version = 0  # the version every engine in the group holds
         self.engines_dropped = 0  # engines left out of a sync, dead or hung
         self.drain_frozen = 0  # requests frozen when a drain reached --vllm.sync_drain_timeout
+        self.broadcasts_failed = 0  # broadcasts that did not complete everywhere, made again to the engines left
         self.members = self._connect(self.members)
 
     @property
@@ -62,8 +63,9 @@ class WeightSync:
 
     def sync(self, pause_mode: str = "wait", version: int = None) -> float:
         """Broadcast the current policy to every engine as the next version (or the given one: a resumed run's);
-        returns the seconds it took. The engines pause meanwhile: "wait" lets running requests finish on the old
-        weights first, "keep" freezes them (partial rollout)."""
+        returns the seconds until every engine held it (each acknowledges once its device holds every weight, not
+        when the broadcast was merely queued). The engines pause meanwhile: "wait" lets running requests finish on
+        the old weights first, "keep" freezes them (partial rollout)."""
         import ray
 
         start = time.perf_counter()
@@ -119,33 +121,36 @@ class WeightSync:
         frozen = sum(value for kind, value in outcomes if kind == "ok")
         if frozen:
             self.drain_frozen += frozen
-            print(f"weight sync: the drain reached --vllm.sync_drain_timeout {self.drain_timeout:g} s; {frozen} running "
-                  "requests frozen, to continue on the new weights", flush=True)
+            print(f"weight sync: the drain reached --vllm.sync_drain_timeout {self.drain_timeout:g} s; {frozen} "
+                  "running requests frozen, to continue on the new weights", flush=True)
         return self._keep(members, outcomes)
 
     def _watch(self, members: dict, refs: list, limit_s: float) -> list:
         """The outcomes (as _outcomes gives them) of long calls to these engines. A call is hung when its engine's
-        count of generated tokens (progress(), a cheap call answered meanwhile) stays still, or goes unanswered, for
-        --vllm.sync_timeout, or when it runs past limit_s: a long drain that makes progress is not a hang."""
+        count of generated tokens (progress(), a cheap call answered meanwhile; one at a time per engine, so a slow
+        answer is late, never lost) has not been seen to move for --vllm.sync_timeout, or when it runs past limit_s:
+        a long drain that makes progress is not a hang."""
         import ray
 
-        poll = min(5.0, self.timeout / 4)
+        poll = min(1.0, self.timeout / 4)
         start = time.monotonic()
-        moved = {i: (None, start) for i in members}  # engine id -> (its last count, when it last changed)
+        seen = {i: (None, start) for i in members}  # engine id -> (its last count, when it was seen to change)
         pending = {i: ref for i, ref in zip(members, refs) if not isinstance(ref, Exception)}
-        hung = set()
+        probes, hung = {}, set()
         while pending:
             ready = set(ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)[0])
             pending = {i: ref for i, ref in pending.items() if ref not in ready}
-            if not pending:
-                break
-            probes = {i: submit(members[i], "progress") for i in pending}
-            answers = _outcomes(list(probes.values()), poll)
             now = time.monotonic()
-            for i, (kind, count) in zip(probes, answers):
-                if kind == "ok" and count != moved[i][0]:
-                    moved[i] = (count, now)
-                if now - moved[i][1] > self.timeout or now - start > limit_s:
+            for i in list(pending):
+                probe = probes.get(i)
+                if probe is not None and not isinstance(probe, Exception) and ray.wait([probe], timeout=0)[0]:
+                    (kind, count), = _outcomes([probe], 0)
+                    if kind == "ok" and count != seen[i][0]:
+                        seen[i] = (count, now)
+                    probe = None
+                if probe is None:
+                    probes[i] = submit(members[i], "progress")
+                if now - seen[i][1] > self.timeout or now - start > limit_s:
                     hung.add(i)
                     pending.pop(i)
         return [("hung", None) if i in hung else outcome for i, outcome in zip(members, _outcomes(refs, 0))]
@@ -214,6 +219,10 @@ class WeightSync:
         kept = self._keep(members, engines, ("died", "hung"))
         complete = ranks[0][1] and not any(kind == "error" for kind, _ in engines)
         if not complete:
+            self.broadcasts_failed += 1
+            failed = [i for i, (kind, _) in zip(members, engines) if kind == "error"]
+            print(f"weight sync: the broadcast did not complete (trainer rank 0: {'ok' if ranks[0][1] else 'failed'}, "
+                  f"engines {failed} failed); its group is aborted and formed again", flush=True)
             self.grouped = None
         return kept, complete
 
