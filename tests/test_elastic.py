@@ -69,7 +69,7 @@ def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_
     """killed_on_nccl: the group has NCCL's semantics (gloo_as_nccl): a broadcast goes down a chain, so the engine
     after the dead one never gets its data, and no member's wait() blocks or raises. Only a completion check on
     both sides keeps the trainer from counting the sync done and the other engine from loading what never came."""
-    from openrlhf_async.rollout.weight_receiver import GLOO_AS_NCCL
+    from openrlhf_async.rollout.sync_group import GLOO_AS_NCCL
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     cfg, fleet = fleet

@@ -41,6 +41,7 @@ class LLMRayActorAsync:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from openrlhf_async.rollout import weight_transfer
         from openrlhf_async.utils.timeline import Timeline
 
         self.timeline = Timeline(f"engine {engine_index}")
@@ -57,7 +58,10 @@ class LLMRayActorAsync:
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             max_num_seqs=vllm.max_num_seqs,
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
+            # Importing the extension registers this project's weight-transfer engine in the worker, which builds
+            # the one named here: the weights come through vLLM's update API, which keeps their version.
             worker_extension_cls="openrlhf_async.rollout.weight_receiver.WeightReceiver",
+            weight_transfer_config={"backend": weight_transfer.NAME},
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -73,8 +77,10 @@ class LLMRayActorAsync:
     def ready(self) -> bool:
         return True
 
-    def get_weight_version(self) -> int:
-        return self.weight_version
+    async def get_weight_version(self) -> int:
+        """The version vLLM holds (finish_weight_update set it; "default" before the first sync: 0)."""
+        version = await self.engine.get_weight_version()
+        return int(version) if version.isdigit() else 0
 
     def take_spans(self) -> list:
         """Spans since the last call: "generate" while any request is in flight, "sync" while loading weights."""
@@ -191,9 +197,14 @@ class LLMRayActorAsync:
         await self.engine.abort(list(request_ids))
 
     async def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                     timeout_s: float):
-        await self.engine.collective_rpc("init_weight_sync_group",
-                                         args=(host, port, rank_offset, world_size, backend, timeout_s))
+                                     timeout_s: float, bucket_bytes: int):
+        """Join the weight-sync group (every worker of this engine, from rank rank_offset on) through vLLM's
+        init_weight_transfer_engine; an earlier group is aborted first."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+            "master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
+            "backend": backend, "timeout_s": timeout_s, "bucket_bytes": bucket_bytes}))
 
     def progress(self) -> int:
         """Tokens generated so far (those of running requests included): the liveness probe of a weight sync, cheap
@@ -223,13 +234,21 @@ class LLMRayActorAsync:
         await pausing
         return frozen
 
-    async def receive_weights(self, buckets: list, version: int) -> int:
-        """Load the weights trainer rank 0 broadcasts (the call blocks until every bucket arrived), with generation
-        paused (pause). Frozen requests' cached keys and values are dropped, so they continue wholly on the
-        new weights, and the tokens they generate from here on carry the new version. If the broadcast fails the
-        engine stays paused and keeps its old version: its weights may be half new, and only a complete broadcast
-        (the trainer retries) may let it generate again."""
-        await self.engine.collective_rpc("receive_weights", args=(buckets,))
+    async def receive_weights(self, named_shapes: list, version: int) -> int:
+        """Load the weights trainer rank 0 broadcasts, named_shapes [(name, dtype, shape)] in its order, through
+        vLLM's update API (start_weight_update, update_weights, finish_weight_update with the version, which vLLM
+        then holds), with generation paused (pause). Returns once every worker's device holds them all. Frozen
+        requests' cached keys and values are dropped, so they continue wholly on the new weights, and the tokens
+        they generate from here on carry the new version. If the broadcast fails the engine stays paused and keeps
+        its old version: its weights may be half new, and only a complete broadcast (the trainer retries) may let
+        it generate again."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        names, dtypes, shapes = (list(column) for column in zip(*named_shapes))
+        await self.engine.start_weight_update()
+        await self.engine.update_weights(WeightTransferUpdateRequest(
+            update_info={"names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes]}))
+        await self.engine.finish_weight_update(str(version))
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._mark_versions(version)
         self.weight_version = version

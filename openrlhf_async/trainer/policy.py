@@ -292,7 +292,7 @@ class PolicyActor:
     def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         if self.rank != 0:
             return
-        from openrlhf_async.rollout.weight_receiver import SyncGroup
+        from openrlhf_async.rollout.sync_group import SyncGroup
 
         if self.sync_group is not None:  # a group of earlier members
             self.sync_group.close()

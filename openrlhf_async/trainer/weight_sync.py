@@ -1,27 +1,11 @@
 """Weight sync: trainer rank 0 broadcasts the policy, bucket by bucket, to every vLLM worker over one
-stateless process group (NCCL on GPU, gloo on CPU); the engines then tag new tokens with the new version."""
+stateless process group (NCCL on GPU, gloo on CPU). The engines take it through vLLM's own weight-update API
+(rollout/weight_transfer.py), which keeps the version; they then tag new tokens with it."""
 
-import math
 import time
 
-import torch
-
 from openrlhf_async.rollout.engine import submit
-
-
-def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
-    """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
-    buckets, current, size = [], [], 0
-    for name, dtype, shape in named_shapes:
-        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
-        if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
-            buckets.append(current)
-            current, size = [], 0
-        current.append((name, dtype, tuple(shape)))
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+from openrlhf_async.rollout.sync_group import plan_buckets
 
 
 class WeightSync:
@@ -45,8 +29,9 @@ class WeightSync:
         self.policy, self.fleet = policy, fleet
         self.tp, self.backend, self.timeout = cfg.vllm.tensor_parallel_size, cfg.backend, cfg.vllm.sync_timeout
         self.drain_timeout = cfg.vllm.sync_drain_timeout
-        self.buckets = plan_buckets(ray.get(policy.actors[0].named_shapes.remote()),
-                                    cfg.train.weight_sync_bucket_mb << 20)
+        self.named_shapes = ray.get(policy.actors[0].named_shapes.remote())
+        self.bucket_bytes = cfg.train.weight_sync_bucket_mb << 20
+        self.buckets = plan_buckets(self.named_shapes, self.bucket_bytes)  # the engines plan the same from both
         self.members = dict(enumerate(engines)) if fleet is None else ray.get(fleet.active.remote())
         self.grouped = None  # the engine ids of the group formed last
         self.version = 0
@@ -191,7 +176,8 @@ class WeightSync:
             host, port = ray.get(rank0.weight_sync_address.remote())
             world = 1 + len(members) * self.tp
             refs = [rank0.init_weight_sync_group.remote(host, port, world, self.backend, self.timeout)] + [
-                submit(e, "init_weight_sync_group", host, port, 1 + k * self.tp, world, self.backend, self.timeout)
+                submit(e, "init_weight_sync_group", host, port, 1 + k * self.tp, world, self.backend, self.timeout,
+                       self.bucket_bytes)
                 for k, e in enumerate(members.values())]
             outcomes = _outcomes(refs, self.timeout + 10)
             (kind, error), engines = outcomes[0], outcomes[1:]
@@ -210,7 +196,7 @@ class WeightSync:
         """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
         part (rank 0 says whether its broadcasts went through); engines that died or hang are dropped."""
         refs = self.policy.call("broadcast_weights", self.buckets) + [
-            submit(e, "receive_weights", self.buckets, version) for e in members.values()]
+            submit(e, "receive_weights", self.named_shapes, version) for e in members.values()]
         outcomes = _outcomes(refs, self.timeout + 10)
         ranks, engines = outcomes[: len(self.policy.actors)], outcomes[len(self.policy.actors):]
         for kind, error in ranks:
