@@ -239,8 +239,15 @@ class VLLMConfig:
     max_engine_restarts: int = setting(3, "engines started in place of dead ones (actor or node gone, or hung in a "
                                           "weight sync) during a run; past it the run goes on with the live engines",
                                        range=">= 0")
-    sync_timeout: float = setting(300.0, "seconds an engine may take to pause, join the weight-sync group or load a "
-                                         "broadcast before it is counted hung, killed and replaced", range="> 0 s")
+    sync_timeout: float = setting(
+        300.0, "seconds an engine may go without progress while it pauses, joins the weight-sync group or loads a "
+               "broadcast before it is counted hung, killed and replaced (an engine draining its requests makes "
+               "progress as long as its count of generated tokens moves)", range="> 0 s")
+    sync_drain_timeout: float = setting(
+        300.0, "seconds a weight sync without partial rollout lets the engines' running requests finish on the old "
+               "weights (vLLM's pause mode wait); requests still running then are frozen (mode keep) and continue on "
+               "the new weights, their later tokens tagged with the new version (engines/drain_frozen)",
+        range="> 0 s")
     cpus_per_engine: float = setting(0.0, "Ray CPUs one engine takes on cpu (its placement bundle); 0: none, so a "
                                           "laptop fits every engine beside the trainer; on a CPU cluster give the "
                                           "cores an engine uses, so engines spread and growth waits for room",

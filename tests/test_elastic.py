@@ -63,22 +63,34 @@ def _stop_tree(pid: int) -> list:
     return tree
 
 
-@pytest.mark.parametrize("fault", ["killed", "hung"])
+@pytest.mark.parametrize("fault", ["killed", "hung", "killed_on_nccl"])
 def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_caught_up(
         fault, restore_weights, policy, fleet, tiny_model_path):
+    """killed_on_nccl: the group has NCCL's semantics (gloo_as_nccl): a broadcast goes down a chain, so the engine
+    after the dead one never gets its data, and no member's wait() blocks or raises. Only a completion check on
+    both sides keeps the trainer from counting the sync done and the other engine from loading what never came."""
+    from openrlhf_async.rollout.sync_group import GLOO_AS_NCCL
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     cfg, fleet = fleet
     sync = WeightSync(policy, None, cfg, fleet=fleet)
+    if fault == "killed_on_nccl":
+        sync.backend, sync.grouped = GLOO_AS_NCCL, None  # the sync forms its group again, with NCCL's semantics
     _move_trainer_weights(policy, tiny_model_path)
-    victim_id, victim = next(iter(sync.members.items()))
-    tree = []
+    tree, victims = [], []
     send = sync._send
 
     def send_with_fault(members, version):  # the engines are paused and in the group: the broadcast starts now
+        if not victims:
+            victims.append(next(iter(members.items())))  # group rank 1: on NCCL's chain the other engine is after it
+        victim_id, victim = victims[0]
         if victim_id in members:
-            if fault == "killed":
+            if fault.startswith("killed"):  # dead, its vLLM processes too, before the broadcast starts
+                process = psutil.Process(_pid(victim))
+                doomed = [process] + process.children(recursive=True)
                 ray.kill(victim, no_restart=True)
+                _, alive = psutil.wait_procs(doomed, timeout=30)
+                assert not alive, "the killed engine's processes live on"
             else:
                 tree.extend(_stop_tree(_pid(victim)))
         return send(members, version)
@@ -87,9 +99,12 @@ def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_
     start = time.time()
     sync.sync()
     took = time.time() - start
+    victim_id = victims[0][0]
     assert sync.version == 1 and victim_id not in sync.members and len(sync.members) == 1
     assert took < cfg.vllm.sync_timeout + 30, f"the sync took {took:.0f} s"
     _assert_engines_hold_trainer_weights(policy, sync)  # no version without its weights
+    if fault != "hung":  # a dead member fails the broadcast (a hung one may not: gloo buffers what it sends)
+        assert sync.broadcasts_failed == 1, "the broadcast to a dead engine was counted complete"
     if tree:  # the frozen engine was killed, its vLLM processes too
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"the hung engine's processes outlived it: {[p.pid for p in alive]}"
@@ -241,3 +256,82 @@ def test_trainer_ranks_follow_their_placement_group_and_rendezvous_on_rank_0s_ow
     assert len(set(spread["rank_nodes"])) == 2 and len(set(pack["rank_nodes"])) == 1
     for placed in (spread, pack):
         assert placed["rendezvous_node"] == placed["rank_nodes"][0]
+
+
+def _long_requests(engines, prompt, per_engine: int, max_tokens: int, tag: str) -> list:
+    """per_engine long requests on each engine, returned once every engine is generating them."""
+    sampling = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
+    refs = [e.generate.remote(prompt, sampling, f"{tag}-{k}-{i}") for k, e in enumerate(engines)
+            for i in range(per_engine)]
+
+    def running(actor):
+        states = actor.engine.output_processor.request_states.values()
+        return sum(1 for s in states if s.detokenizer.num_output_tokens())
+
+    deadline = time.time() + 120
+    while min(ray.get([e.__ray_call__.remote(running) for e in engines])) < per_engine // 2:
+        assert time.time() < deadline, "the requests never started"
+        time.sleep(0.05)
+    return refs
+
+
+@pytest.fixture
+def short_sync(engines, policy, weight_sync):
+    """A weight sync of the shared engines and policy whose --vllm.sync_timeout is 3 s (plus the given flags), from
+    the version the engines hold; the shared one forms its group again afterwards and goes on from the version this
+    one reached."""
+    from openrlhf_async.trainer.weight_sync import WeightSync
+
+    made = []
+
+    def make(*flags):
+        sync = WeightSync(policy, engines, preset_config("--vllm.num_engines", "2", "--vllm.sync_timeout", "3", *flags))
+        sync.version = max(ray.get([e.get_weight_version.remote() for e in engines]))  # what they hold
+        made.append(sync)
+        return sync
+
+    yield make
+    weight_sync.grouped = None
+    weight_sync.version = max([weight_sync.version] + [s.version for s in made])
+
+
+def test_a_drain_longer_than_the_sync_timeout_is_no_hang_and_keeps_every_engine(engines, short_sync,
+                                                                                  tiny_model_path):
+    """Async mode drains the engines before a sync ("wait"). A drain of long responses takes longer than
+    --vllm.sync_timeout, yet the engines make progress all along: none is killed, the sync completes, and every
+    request ends whole on the old weights."""
+    from test_weight_sync import _prompt_ids
+
+    sync = short_sync()
+    old = sync.version
+    refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 256, 220, "long-drain")
+    start = time.time()
+    sync.sync("wait")
+    took = time.time() - start
+    outs = ray.get(refs)
+    print(f"drain and sync took {took:.1f} s against a sync timeout of {sync.timeout:g} s")
+    assert took > 2 * sync.timeout, f"the drain ({took:.1f} s) was too short to test anything"
+    assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
+    assert all(ray.get(e.get_weight_version.remote()) == old + 1 for e in engines)
+    # Drained, not frozen: each request whole on the weights it started with.
+    assert all(len(o["response_ids"]) == 220 and len(set(o["token_versions"])) == 1 for o in outs)
+    assert sync.drain_frozen == 0
+
+
+def test_a_drain_past_its_bound_freezes_the_running_requests_which_go_on_with_the_new_weights(
+        engines, short_sync, tiny_model_path):
+    """--vllm.sync_drain_timeout bounds the drain: the requests still running then are frozen as in partial rollout,
+    not aborted and no engine killed; after the sync they finish, their later tokens tagged with the new version."""
+    from test_weight_sync import _prompt_ids
+
+    sync = short_sync("--vllm.sync_drain_timeout", "0.5")
+    old = sync.version
+    refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 64, 220, "bounded-drain")
+    sync.sync("wait")
+    outs = ray.get(refs)
+    assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
+    assert all(len(o["response_ids"]) == 220 and o["finish_reason"] == "length" for o in outs)
+    spanning = [o for o in outs if set(o["token_versions"]) == {old, old + 1}]
+    assert spanning and sync.drain_frozen >= len(spanning), "no request was frozen at the drain's bound"
+    for o in spanning:
+        assert o["token_versions"] == sorted(o["token_versions"]), "tokens of the old weights after new ones"

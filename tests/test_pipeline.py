@@ -156,7 +156,7 @@ class _ListQueue:
 class _CountingSync:
     def __init__(self):
         self.engines, self.version, self.engine_version, self.pause_modes = [], 0, 0, []
-        self.fleet, self.engines_dropped = None, 0  # a fixed set of engines
+        self.fleet, self.engines_dropped, self.drain_frozen, self.broadcasts_failed = None, 0, 0, 0  # fixed engines
 
     def catch_up(self):
         return 0

@@ -49,6 +49,18 @@ def test_sync_makes_engines_match_trainer(restore_weights, engines, policy, weig
             assert diff <= 1e-4, f"log-prob mismatch {diff}"
 
 
+def test_the_weights_reach_the_engines_through_vllms_weight_transfer_api_which_keeps_their_version(
+        engines, weight_sync):
+    """vLLM's own RL update API carries the sync: each engine's vLLM is configured with this project's registered
+    weight-transfer engine, and vLLM itself (AsyncLLM.get_weight_version) reports the version of the last sync."""
+    weight_sync.sync()
+    for engine in engines:
+        backend = ray.get(engine.__ray_call__.remote(
+            lambda actor: getattr(actor.engine.vllm_config.weight_transfer_config, "backend", None)))
+        assert backend == "openrlhf_async"
+        assert ray.get(engine.get_weight_version.remote()) == weight_sync.version
+
+
 def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(restore_weights, engines, policy,
                                                                                 weight_sync, tiny_model_path):
     import time

@@ -41,6 +41,7 @@ class LLMRayActorAsync:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from openrlhf_async.rollout import weight_transfer
         from openrlhf_async.utils.timeline import Timeline
 
         self.timeline = Timeline(f"engine {engine_index}")
@@ -57,7 +58,10 @@ class LLMRayActorAsync:
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             max_num_seqs=vllm.max_num_seqs,
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
+            # Importing the extension registers this project's weight-transfer engine in the worker, which builds
+            # the one named here: the weights come through vLLM's update API, which keeps their version.
             worker_extension_cls="openrlhf_async.rollout.weight_receiver.WeightReceiver",
+            weight_transfer_config={"backend": weight_transfer.NAME},
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -67,13 +71,16 @@ class LLMRayActorAsync:
         self.aborted_groups: set = set()
         self.weight_version = 0
         self.version_marks: dict = {}  # request id -> VersionMarks, while it runs
+        self.tokens_finished = 0  # tokens of the requests that ended (progress() adds those running)
         self.runner = GroupRunner(agent, reward, self.tokenizer)
 
     def ready(self) -> bool:
         return True
 
-    def get_weight_version(self) -> int:
-        return self.weight_version
+    async def get_weight_version(self) -> int:
+        """The version vLLM holds (finish_weight_update set it; "default" before the first sync: 0)."""
+        version = await self.engine.get_weight_version()
+        return int(version) if version.isdigit() else 0
 
     def take_spans(self) -> list:
         """Spans since the last call: "generate" while any request is in flight, "sync" while loading weights."""
@@ -96,7 +103,7 @@ class LLMRayActorAsync:
             self.timeline.begin("generate")
             self.groups.setdefault(group_id, set()).add(request_id)
             marks = self.version_marks[request_id] = VersionMarks(self.weight_version)
-            queue = None
+            queue = final = None
             try:
                 queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
                 marks.registered = True
@@ -108,6 +115,8 @@ class LLMRayActorAsync:
                     await self.engine.abort(request_id)
                 raise
             finally:
+                if final is not None:
+                    self.tokens_finished += len(final.outputs[0].token_ids)
                 self.in_flight.pop(request_id, None)
                 self.version_marks.pop(request_id, None)
                 if not self.in_flight:
@@ -188,24 +197,58 @@ class LLMRayActorAsync:
         await self.engine.abort(list(request_ids))
 
     async def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                     timeout_s: float):
-        await self.engine.collective_rpc("init_weight_sync_group",
-                                         args=(host, port, rank_offset, world_size, backend, timeout_s))
+                                     timeout_s: float, bucket_bytes: int):
+        """Join the weight-sync group (every worker of this engine, from rank rank_offset on) through vLLM's
+        init_weight_transfer_engine; an earlier group is aborted first."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    async def pause(self, mode: str = "keep") -> None:
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+            "master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
+            "backend": backend, "timeout_s": timeout_s, "bucket_bytes": bucket_bytes}))
+
+    def progress(self) -> int:
+        """Tokens generated so far (those of running requests included): the liveness probe of a weight sync, cheap
+        and answered while a pause drains. A count that moves is an engine at work, however long its drain."""
+        states = self.engine.output_processor.request_states.values()
+        return self.tokens_finished + sum(s.detokenizer.num_output_tokens() for s in states)
+
+    async def pause(self, mode: str = "keep", drain_timeout: float = None) -> int:
         """Pause generation until resume(). A weight sync pauses every engine before any collective starts: "wait"
         lets running requests finish on the old weights (a long drain inside the broadcast could trip the
-        collective's watchdog), "keep" freezes them (partial rollout)."""
+        collective's watchdog), "keep" freezes them (partial rollout). A drain lasts drain_timeout seconds at most
+        (None: until the requests end); those still running then are frozen as with "keep" and continue on the new
+        weights, their later tokens tagged with its version. Freezing rather than aborting keeps their tokens (the
+        longest responses: aborting them would bias training against length) and, like a drain, trains them no
+        staler than their first token. Returns how many requests were frozen so."""
         self.timeline.begin("sync")
-        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        pausing = asyncio.ensure_future(self.engine.pause_generation(mode=mode, clear_cache=False))
+        if mode != "wait" or drain_timeout is None:
+            await pausing
+            return 0
+        drained, _ = await asyncio.wait({pausing}, timeout=drain_timeout)
+        states = self.engine.output_processor.request_states.values()
+        frozen = 0 if drained else sum(1 for s in states if s.detokenizer.num_output_tokens())
+        if not drained:
+            # vLLM's keep pause completes the pending wait pause too: the scheduler counts frozen requests as none.
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+        await pausing
+        return frozen
 
-    async def receive_weights(self, buckets: list, version: int) -> int:
-        """Load the weights trainer rank 0 broadcasts (the call blocks until every bucket arrived), with generation
-        paused (pause). Frozen requests' cached keys and values are dropped, so they continue wholly on the
-        new weights, and the tokens they generate from here on carry the new version. If the broadcast fails the
-        engine stays paused and keeps its old version: its weights may be half new, and only a complete broadcast
-        (the trainer retries) may let it generate again."""
-        await self.engine.collective_rpc("receive_weights", args=(buckets,))
+    async def receive_weights(self, named_shapes: list, version: int) -> int:
+        """Load the weights trainer rank 0 broadcasts, named_shapes [(name, dtype, shape)] in its order, through
+        vLLM's update API (start_weight_update, update_weights, finish_weight_update with the version, which vLLM
+        then holds), with generation paused (pause). Returns once every worker's device holds them all. Frozen
+        requests' cached keys and values are dropped, so they continue wholly on the new weights, and the tokens
+        they generate from here on carry the new version. If the broadcast fails the engine stays paused and keeps
+        its old version: its weights may be half new, and only a complete broadcast (the trainer retries) may let
+        it generate again."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        names, dtypes, shapes = (list(column) for column in zip(*named_shapes))
+        await self.engine.start_weight_update()
+        await self.engine.update_weights(WeightTransferUpdateRequest(
+            update_info={"names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes]}))
+        await self.engine.finish_weight_update(str(version))
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._mark_versions(version)
         self.weight_version = version

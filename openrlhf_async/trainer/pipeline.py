@@ -398,7 +398,9 @@ class TrainingActor:
         fleet = self.weight_sync.fleet
         figures = ray.get(fleet.metrics.remote()) if fleet is not None else {}
         return {**{k: v for k, v in figures.items() if v is not None},
-                "engines/sync_dropped": self.weight_sync.engines_dropped}
+                "engines/sync_dropped": self.weight_sync.engines_dropped,
+                "engines/drain_frozen": self.weight_sync.drain_frozen,
+                "engines/sync_broadcasts_failed": self.weight_sync.broadcasts_failed}
 
     def _evaluate(self):
         from openrlhf_async.trainer.evaluate import evaluate

@@ -333,15 +333,18 @@ class PolicyActor:
     def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         if self.rank != 0:
             return
-        from openrlhf_async.rollout.weight_receiver import open_sync_group
+        from openrlhf_async.rollout.sync_group import SyncGroup
 
-        self.sync_group = None  # a group of earlier members is left behind
-        self.sync_group, self.sync_store = open_sync_group(host, port, 0, world_size, backend, timeout_s)
+        if self.sync_group is not None:  # a group of earlier members
+            self.sync_group.close()
+            self.sync_group = None
+        self.sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, self._device())
 
     def broadcast_weights(self, buckets: list) -> bool:
         """Gather each bucket's parameters (collective over the ZeRO-3 ranks) and broadcast them from rank 0.
-        Returns whether every broadcast went through: when one fails (an engine died or hangs), rank 0 stops
-        broadcasting but keeps gathering with the other ranks, so the trainer's own collectives stay in step."""
+        Returns whether every broadcast completed (not merely started: NCCL's wait does not block): when one fails
+        (an engine died or hangs), rank 0 stops broadcasting but keeps gathering with the other ranks, so the
+        trainer's own collectives stay in step, and the group is aborted."""
         import deepspeed
 
         params, ok = dict(self.engine.module.named_parameters()), True
@@ -351,13 +354,19 @@ class PolicyActor:
                 with deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
                     if self.rank == 0 and ok:
                         flat = torch.cat([t.data.reshape(-1) for t in tensors])
-                        try:
-                            self.sync_group.broadcast(flat, root=0).wait()
-                        except Exception as e:  # the group is broken: the trainer drops its bad members and retries
-                            print(f"weight broadcast failed: {type(e).__name__}: {str(e).splitlines()[0]}",
-                                  flush=True)
-                            ok = False
+                        ok = self._sync_step(self.sync_group.broadcast, flat)
+            if self.rank == 0 and ok:
+                ok = self._sync_step(self.sync_group.complete)
         return ok
+
+    @staticmethod
+    def _sync_step(step, *args) -> bool:
+        try:
+            step(*args)
+            return True
+        except Exception as e:  # the group is aborted: the trainer drops its bad members and forms it again
+            print(f"weight broadcast failed: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+            return False
 
     def read_weight(self, name: str) -> torch.Tensor:
         import deepspeed

