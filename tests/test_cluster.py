@@ -73,38 +73,25 @@ def test_a_tensor_parallel_engine_actor_sees_its_nodes_gpus(cluster):
 
 
 def test_the_trainer_ranks_are_placed_before_the_engines_and_together(cluster):
-    """PlacedFirst returns the trainer's nodes once its placement group is placed, while its start goes on (the ranks
-    load): engines started then take the other node, and the two ranks share one."""
-    import threading
-
+    """As run.start_actors: the ranks' placement group first, then the engines', which take the other node; the two
+    ranks share one node."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
     from openrlhf_async.rollout.fleet import engine_placement_group
-    from openrlhf_async.utils.cluster import PlacedFirst, group_nodes
+    from openrlhf_async.trainer.policy import trainer_placement_group
+    from openrlhf_async.utils.cluster import group_nodes
 
     cfg = preset_config("--device", "cuda", "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
                         validated=False)
-    loaded = threading.Event()
-
-    def start_ranks():  # as PolicyGroup on cuda: a {GPU: 1, CPU: 1} bundle per rank, then the ranks load
-        group = placement_group([{"GPU": 1, "CPU": 1}] * cfg.actor.world_size, strategy=cfg.actor.placement_strategy)
-        ray.get(group.ready())
-        assert loaded.wait(60)
-        return group
-
-    ranks = PlacedFirst(start_ranks)
-    nodes = ranks.nodes()
+    group = trainer_placement_group(cfg)
     engines = [engine_placement_group(cfg) for _ in range(cfg.num_engines)]
     try:
         ray.get([g.ready() for g in engines], timeout=60)
-        loaded.set()
-        group = ranks.result()
-        assert len(nodes) == 1 and group_nodes(group) == nodes
-        assert all(group_nodes(g).isdisjoint(nodes) for g in engines)
+        nodes = group_nodes(group)
+        assert len(nodes) == 1 and all(group_nodes(g).isdisjoint(nodes) for g in engines)
     finally:
-        loaded.set()
-        for g in engines + [ranks.result()]:
+        for g in engines + [group]:
             remove_placement_group(g)
 
 

@@ -405,22 +405,29 @@ class PolicyActor:
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
 
+def trainer_placement_group(cfg):
+    """The ranks' placement group, placed: a bundle per rank (as OpenRLHF and veRL place them). Ray refuses an empty
+    bundle, so on cpu a rank's bundle holds a token share of a CPU."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = {"GPU": 1, "CPU": 1} if cfg.device == "cuda" else {"CPU": 0.001}
+    group = placement_group([bundle] * cfg.actor.world_size, strategy=cfg.actor.placement_strategy)
+    ray.get(group.ready())
+    return group
+
+
 class PolicyGroup:
     """The DeepSpeed ranks as Ray actors, with fan-out helpers the trainer loop calls."""
 
-    def __init__(self, cfg, model_path: str):
+    def __init__(self, cfg, model_path: str, group=None):
         import ray
 
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor_cls = ray.remote(PolicyActor)
         world = cfg.actor.world_size
-        # The ranks in one placement group, a bundle each (as OpenRLHF and veRL place them); Ray refuses an empty
-        # bundle, so on cpu a rank's bundle holds a token share of a CPU.
-        bundle = {"GPU": 1, "CPU": 1} if cfg.device == "cuda" else {"CPU": 0.001}
-        self.group = placement_group([bundle] * world, strategy=cfg.actor.placement_strategy)
-        ray.get(self.group.ready())
+        self.group = group or trainer_placement_group(cfg)
 
         def in_bundle(rank: int) -> dict:
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)

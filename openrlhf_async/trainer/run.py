@@ -70,15 +70,20 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
 
 def start_actors(cfg, model_path: str) -> tuple:
     """(engine fleet, policy ranks), loading side by side. The ranks' placement group is placed before any engine's,
-    so PACK puts the ranks on as few nodes as hold them, and the folders they write are checked to be the driver's
-    (utils/cluster.py) before the engines start."""
-    from openrlhf_async.rollout.fleet import start_fleet
-    from openrlhf_async.trainer.policy import PolicyGroup
-    from openrlhf_async.utils.cluster import PlacedFirst, check_shared_folders
+    so PACK puts the ranks on as few nodes as hold them (started together, the engines' groups could take part of a
+    node first and split the ranks), and the folders they write are checked to be the driver's (utils/cluster.py)
+    before anything loads."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    ranks = PlacedFirst(lambda: PolicyGroup(cfg, model_path))
-    check_shared_folders(cfg, ranks.nodes())
-    return start_fleet(cfg, model_path), ranks.result()
+    from openrlhf_async.rollout.fleet import start_fleet
+    from openrlhf_async.trainer.policy import PolicyGroup, trainer_placement_group
+    from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
+
+    group = trainer_placement_group(cfg)
+    check_shared_folders(cfg, group_nodes(group))
+    with ThreadPoolExecutor(1) as pool:
+        ranks = pool.submit(PolicyGroup, cfg, model_path, group)
+        return start_fleet(cfg, model_path), ranks.result()
 
 
 def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts: list, eval_prompts: list,

@@ -6,8 +6,6 @@ the run's actors need from the driver travels in a runtime_env, which Ray sets i
 
 import json
 import os
-import threading
-import time
 import uuid
 
 # Network settings of NCCL, gloo and torch.distributed that a user sets where the driver starts (the interface to use,
@@ -44,46 +42,6 @@ def connect() -> None:
     env = {k: v for k, v in network_env().items() if k not in (submitted.get("env_vars") or {})}
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": env} if env else None)
-
-
-class PlacedFirst:
-    """start() (PolicyGroup: it creates the trainer ranks' placement group, then waits for the ranks to load) in a
-    thread, and nodes() waits only until that placement group is placed. What starts after it (the engines) takes the
-    room it left: started together, the engines' groups could take part of a node first and split the ranks."""
-
-    def __init__(self, start):
-        import ray
-
-        self.known = set(ray.util.placement_group_table())
-        self.value = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(start,), daemon=True)
-        self.thread.start()
-
-    def _run(self, start) -> None:
-        try:
-            self.value = start()
-        except BaseException as e:  # raised by result()
-            self.error = e
-
-    def nodes(self, poll_s: float = 0.2) -> set:
-        """The ids of the nodes the placement group start() created was placed on."""
-        import ray
-
-        while True:
-            for group_id, info in ray.util.placement_group_table().items():
-                if group_id not in self.known and info["state"] == "CREATED":
-                    return set(info["bundles_to_node_id"].values())
-            if not self.thread.is_alive():
-                self.result()
-                raise RuntimeError("the trainer started without a placement group")
-            time.sleep(poll_s)
-
-    def result(self):
-        """What start() returned (or raised), once it is done."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def group_nodes(group) -> set:
