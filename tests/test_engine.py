@@ -99,3 +99,21 @@ def test_the_engine_process_layout_follows_worker_in_engine_core(engines, stack_
     own = preset_config("--no-vllm.worker_in_engine_core")
     assert executor_backend(own.vllm) is None and "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(own)
     assert executor_backend(preset_config("--vllm.tensor_parallel_size", "2", validated=False).vllm) == "ray"
+
+
+def test_a_replacement_engine_waits_for_its_gpu_to_be_released_before_vllm_checks_it():
+    """vLLM refuses to start where less than --vllm.gpu_memory_utilization of the GPU is free; the engine waits while
+    a killed engine's processes still release it, and gives up at its bound (vLLM's check then reports)."""
+    from openrlhf_async.rollout.engine import wait_for_device_memory
+
+    readings = iter([(10, 100), (40, 100), (95, 100)])  # the killed engine's memory coming free
+    calls = []
+
+    def free_total():
+        calls.append(1)
+        return next(readings)
+
+    assert wait_for_device_memory(0.9, timeout_s=5, poll_s=0.01, free_total=free_total) > 0 and len(calls) == 3
+    waited = wait_for_device_memory(0.9, timeout_s=0.05, poll_s=0.01, free_total=lambda: (10, 100))
+    assert 0.05 <= waited < 1
+    assert wait_for_device_memory(0.9) == 0.0  # no GPU here: no wait

