@@ -606,6 +606,15 @@ class CkptConfig:
                                    openrlhf="no effect: best-checkpoint saving is not built")
 
 
+@dataclass
+class PlanConfig:
+    device_memory_gb: Optional[float] = setting(
+        None, "memory of one GPU in GB (2^30 bytes) for the memory plan (trainer_rank and vllm_engine in --dry_run's "
+              "report); a run whose trainer rank or engine weights do not fit it is refused before anything starts; "
+              "none: the visible GPU's, or on cpu the host's (reported, not checked)", type=float, range="> 0",
+        most=2**20)
+
+
 _DEFAULT_WANDB_RUN = "ppo_%s" % datetime.now().strftime("%m%dT%H:%M")
 
 
@@ -652,6 +661,7 @@ class Config:
     ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     mode: Optional[str] = setting(None, "sync (generate, train, sync), async (generation runs up to "
                                         "--train.async_queue_size batches ahead) or fully_async (streaming groups "
                                         "under staleness bounds, optional partial rollout); none: from "

@@ -48,8 +48,16 @@ def data_dir(tmp_path_factory):
     return str(out)
 
 
+# The hub models' config.json, kept in tests/ so that the dry runs plan their memory offline (Qwen3-8B-Base has
+# Qwen3-8B's shape).
+MODEL_CONFIGS = {"train_dapo_qwen3_8b_async.sh": "Qwen3-8B", "train_fully_async_qwen25_math_7b.sh": "Qwen2.5-Math-7B",
+                 "train_tool_agent_qwen3_8b.sh": "Qwen3-8B"}
+
+
 def _dry_run(script, data_dir, *flags):
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": data_dir, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    if script in MODEL_CONFIGS:
+        env["MODEL"] = os.path.join(REPO, "tests", "model_configs", MODEL_CONFIGS[script])
     return subprocess.run(["bash", os.path.join(SCRIPTS, script), "--dry_run", *flags], capture_output=True,
                           text=True, env=env, timeout=120)
 
@@ -78,8 +86,8 @@ def _memory(tokens: int) -> dict:
                                          "agent.max_steps": 4, **_memory(16384)}),
     ("train_cpu_demo.sh", 0, {"device": "cpu", "mode": "fully_async", "train.partial_rollout_enable": True}),
 ])
-def test_every_script_passes_its_dry_run(data_dir, script, gpus, expected):
-    proc = _dry_run(script, data_dir)
+def test_every_script_passes_its_dry_run_with_a_memory_plan_that_fits_80_gb(data_dir, script, gpus, expected):
+    proc = _dry_run(script, data_dir, "--plan.device_memory_gb", "80")
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("dry run: configuration valid"), proc.stdout[-2000:]
@@ -92,6 +100,9 @@ def test_every_script_passes_its_dry_run(data_dir, script, gpus, expected):
         assert section == value, key
     if script != "train_cpu_demo.sh":  # the GPU recipes train on DAPO-Math and evaluate on AIME, as prepared
         assert report["datasets"] == {"train_rows": 2, "eval_rows": 2}
+        assert report["memory_plan"]["params"] > 7e9
+    plan = report["memory_plan"]
+    assert plan["checked"] and plan["trainer_rank"]["total"] <= plan["device_memory"] == 80 * 2**30
 
 
 @pytest.mark.parametrize("script", GPU_SCRIPTS)

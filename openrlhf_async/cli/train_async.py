@@ -16,6 +16,7 @@ def prepare(cfg):
     from openrlhf_async.config import (ConfigError, check_local_cores, default_cache_dir, is_gguf, resolve_steps,
                                        to_dict, validate)
     from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
+    from openrlhf_async.trainer import memory_plan
     from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
     from openrlhf_async.utils import run_folder
     from openrlhf_async.utils.user_files import check_user_file
@@ -48,6 +49,7 @@ def prepare(cfg):
         train_rows, eval_rows = load_datasets(cfg, builtin_dir)
     resolve_steps(cfg, len(train_rows))
     check_resume_data(cfg, resume, len(train_rows))
+    memory_plan.for_config(cfg)  # a run whose trainer ranks or engines cannot fit is refused here
     model_path = cfg.actor.model_name_or_path
     if cfg.dry_run:
         cfg.data.prompt_dataset, cfg.eval.dataset = given  # the report shows the flags, not a deleted folder
@@ -127,12 +129,24 @@ def check_cluster(cfg) -> None:
 
 def dry_run_report(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> dict:
     from openrlhf_async.config import to_dict
+    from openrlhf_async.trainer import memory_plan
     from openrlhf_async.trainer.staleness import StalenessPolicy
 
     return {"config": to_dict(cfg), "model": model_path, "resources": resources(cfg),
+            "memory_plan": memory_plan.for_config(cfg),
             "datasets": {"train_rows": len(train_rows), "eval_rows": len(eval_rows)},
             "resume_from": resume and {"path": resume[0], "step": resume[1]["step"]},
             "staleness_limit": StalenessPolicy.from_config(cfg).limit, "queue_size": cfg.queue_size}
+
+
+def _memory_summary(plan) -> str:
+    if not plan:
+        return "; no memory plan (the model's config could not be read)"
+    from openrlhf_async.trainer.memory_plan import GB
+
+    device = plan["device_memory"]
+    return (f"; memory plan: {plan['trainer_rank']['total'] / GB:.1f} GB per trainer rank"
+            + (f" of {device / GB:.1f} GB" if device else "") + ("" if plan["checked"] else " (not checked)"))
 
 
 def main(argv=None) -> int:
@@ -147,11 +161,15 @@ def main(argv=None) -> int:
     if cfg.dry_run:
         report = dry_run_report(cfg, model_path, train_rows, eval_rows, resume)
         print(json.dumps(report, indent=2))
+        if report["memory_plan"]:  # for a person: on stderr, beside the notices, so stdout stays the report
+            from openrlhf_async.trainer.memory_plan import table
+
+            print(table(report["memory_plan"]), file=sys.stderr)
         r = report["resources"]
         print(f"dry run: configuration valid; would start {r['vllm_engines']} vLLM engine(s) x tensor parallel "
               f"{r['tensor_parallel_size']} and {r['trainer_ranks']} trainer rank(s) on {r['device']}"
               + (f" ({r['gpus']} GPUs)" if r["gpus"] else "") + f", {len(train_rows)} train and "
-              f"{len(eval_rows)} eval prompts, --mode {cfg.mode}")
+              f"{len(eval_rows)} eval prompts, --mode {cfg.mode}" + _memory_summary(report["memory_plan"]))
         return 0
 
     import faulthandler

@@ -1,0 +1,308 @@
+"""Peak device memory of a trainer rank and of a vLLM engine, estimated from the model's shape and the run's
+settings before anything starts: printed by --dry_run, and a run that cannot fit is refused with the flags that
+would make it fit.
+
+A trainer rank holds its ZeRO share of the model states (Adam: an fp32 master copy and two fp32 moments, 12 bytes a
+parameter), the frozen reference model where a KL term loads one, and the activations of its largest micro batch.
+A vLLM engine takes --vllm.gpu_memory_utilization of each of its GPUs, whose weights (split by tensor parallelism)
+must fit inside that share. GB here are 2^30 bytes, as torch and nvidia-smi count them."""
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+GB = 2**30
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements (not set in deepspeed_config)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, c: dict) -> "ModelShape":
+        """From an HF config.json's fields (Llama, Qwen2, Qwen3 and models shaped like them)."""
+        heads = c["num_attention_heads"]
+        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+                   kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate=c["intermediate_size"],
+                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
+                   # Qwen2 always has q/k/v biases and no config field saying so; Qwen3 normalises q and k per head.
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+                   qk_norm=c.get("model_type") == "qwen3")
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim * self.qk_norm
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * self.layer_params + embeddings + self.hidden
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the plan reads from the run's config (setup_of); the remedies are changed copies of it."""
+    ranks: int
+    zero_stage: int
+    dtype_bytes: int
+    adam_offload: bool
+    reference: bool
+    ref_offload: bool
+    checkpointing: bool
+    train_tokens: int  # of the largest training micro batch
+    logprob_tokens: int  # of the largest micro batch of a pass that only computes log-probs
+    chunk: int  # --actor.logprobs_chunk_size; 0: all positions' logits at once
+    longest: int  # --data.max_len
+    packed: bool
+    masked: bool  # sdpa attention, which takes a [T, T] mask for packed samples or padded rows
+    tensor_parallel: int
+    gpu_memory_utilization: float
+    cpu_kvcache_gb: float
+    device: str
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def setup_of(cfg) -> Setup:
+    """The largest micro batch: a token budget (a longer sample alone makes one) or micro_batch_size padded rows."""
+    from openrlhf_async.config import attn_implementation
+
+    t, r, longest = cfg.train, cfg.rollout, cfg.data.max_len
+    train = max(t.max_tokens_per_gpu, longest) if t.dynamic_batch_enable else t.micro_batch_size * longest
+    logprob = max(r.max_tokens_per_gpu or 0, longest) if t.dynamic_batch_enable else r.micro_batch_size * longest
+    return Setup(ranks=cfg.actor.world_size, zero_stage=cfg.ds.zero_stage, dtype_bytes=DTYPE_BYTES[cfg.dtype],
+                 adam_offload=cfg.ds.adam_offload, reference=cfg.algo.kl_init_coef > 0, ref_offload=cfg.ref.offload,
+                 checkpointing=cfg.actor.gradient_checkpointing_enable, train_tokens=train, logprob_tokens=logprob,
+                 chunk=cfg.actor.logprobs_chunk_size, longest=longest, packed=cfg.ds.packing_samples,
+                 masked=attn_implementation(cfg.ds.attn_implementation, cfg.device) == "sdpa",
+                 tensor_parallel=cfg.vllm.tensor_parallel_size,
+                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+                 cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device)
+
+
+def layer_activation_bytes(m: ModelShape, b: int) -> int:
+    """Bytes one decoder layer keeps per token for its backward pass (HF Llama/Qwen code, sdpa): the two RMSNorms'
+    fp32 input and output, q/k/v before and after the rotary embedding, k/v repeated to every query head (GQA),
+    attention output and o_proj input, and the MLP's gate, up, activation and product."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return 2 * (8 * m.hidden + b * m.hidden) + b * (5 * q + 4 * kv + 2 * q + 4 * m.intermediate)
+
+
+def logits_bytes(m: ModelShape, positions: int, b: int, backward: bool) -> int:
+    """The vocabulary-wide logits of `positions` positions: as computed (b bytes), in fp32 (a copy when b < 4),
+    divided by the temperature and log-softmaxed; the backward pass adds two fp32 gradients of them."""
+    per_logit = b + (4 if b < 4 else 0) + 8 + (8 if backward else 0)
+    return positions * m.vocab * per_logit
+
+
+def mask_bytes(s: Setup, tokens: int) -> int:
+    """sdpa's attention mask: packed samples get a boolean [T, T] one (padded rows an [L, L] one each), which torch
+    turns into a float one of the model's dtype; measured on CPU, one of each is live at a time."""
+    if not s.masked:
+        return 0
+    return (tokens * tokens if s.packed else tokens * s.longest) * (1 + s.dtype_bytes)
+
+
+def rank_bytes(m: ModelShape, s: Setup) -> dict:
+    """A trainer rank's peak, by part (bytes)."""
+    P, N, z, b = m.params, s.ranks, s.zero_stage, s.dtype_bytes
+    weights = b * P / (N if z == 3 else 1)
+    grads = b * P / (N if z >= 2 else 1)
+    if z == 0 and b == 4:  # torch's AdamW steps the fp32 weights themselves: two moments
+        optimizer = 8 * P
+    else:  # a partitioned fp32 master copy (even of fp32 weights: DeepSpeed clones it) and two moments
+        optimizer = 12 * P / N
+        # Stage 0 in bf16 is DeepSpeed's BF16_Optimizer, which accumulates fp32 gradients beside the bf16 ones.
+        grads += 4 * P if z == 0 else 0
+    optimizer = 0 if s.adam_offload else optimizer
+    buffers = b * min(REDUCE_BUCKET, P) if z >= 1 else 0
+    if z == 3:  # gathered parameters in flight: the module being run and the one prefetched
+        buffers += 2 * b * max(m.layer_params, m.vocab * m.hidden)
+    reference = 0 if not s.reference or (z == 3 and s.ref_offload) else b * P / (N if z == 3 else 1)
+    layer = layer_activation_bytes(m, b)
+    T = s.train_tokens
+    # Checkpointing keeps each layer's input and recomputes one layer at a time in the backward pass.
+    kept = T * m.layers * (b * m.hidden if s.checkpointing else layer)
+    activations = kept + T * layer + T * 4 * b * m.hidden  # + one layer's backward working set, embeddings, norm
+    logits = logits_bytes(m, min(s.chunk, T) if s.chunk else T, b, backward=True)
+    # A log-prob pass keeps no activations: one layer's at a time, and its logits (chunked alike).
+    logprob_pass = s.logprob_tokens * b * (4 * m.hidden + 2 * m.intermediate) + logits_bytes(
+        m, min(s.chunk, s.logprob_tokens) if s.chunk else s.logprob_tokens, b, backward=False)
+    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
+             "reference": reference, "activations": activations, "attention_mask": mask_bytes(s, T),
+             "logits": logits}
+    states = weights + grads + optimizer + buffers + reference
+    parts["total"] = states + max(activations + parts["attention_mask"] + logits,
+                                    logprob_pass + mask_bytes(s, s.logprob_tokens))
+    return {k: int(v) for k, v in parts.items()}
+
+
+def engine_bytes(m: ModelShape, s: Setup, device_bytes) -> dict:
+    """One engine's GPU: its weights (split over tensor_parallel GPUs) and the share vLLM takes; on cpu, the
+    weights and the KV cache it is given (--vllm.cpu_kvcache_space_gib)."""
+    weights = s.dtype_bytes * m.params / s.tensor_parallel
+    if s.device == "cpu":
+        return {"weights": int(weights), "total": int(weights + s.cpu_kvcache_gb * GB)}
+    share = s.gpu_memory_utilization * device_bytes if device_bytes else None
+    return {"weights": int(weights), "total": int(share) if share else None,
+            "kv_cache": int(share - weights) if share else None}
+
+
+def plan(m: ModelShape, s: Setup, device_bytes, checked: bool) -> dict:
+    """The rank's and the engine's estimates against the device's memory; checked: whether a miss refuses the
+    run (see device_memory)."""
+    rank, engine = rank_bytes(m, s), engine_bytes(m, s, device_bytes)
+    return {"params": m.params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
+            "vllm_engine": engine, "setup": dataclasses.asdict(s)}
+
+
+def _fits(m: ModelShape, s: Setup, device_bytes) -> bool:
+    return rank_bytes(m, s)["total"] <= device_bytes
+
+
+def remedies(m: ModelShape, s: Setup, device_bytes, dynamic: bool, longest: int) -> list:
+    """The changes that each alone make the rank fit (as flags); else all of them together; else none."""
+    options = []
+    if not s.checkpointing:
+        options.append(("--actor.gradient_checkpointing_enable", {"checkpointing": True}))
+    if s.zero_stage < 3:
+        options.append(("--ds.zero_stage 3", {"zero_stage": 3}))
+    if not s.adam_offload:  # ZeRO-Offload needs a ZeRO optimizer: alone, only from stage 1
+        options.append(("--ds.adam_offload", {"adam_offload": True}))
+    fitting = [flag for flag, change in options
+               if (s.zero_stage or "adam_offload" not in change)
+               and _fits(m, dataclasses.replace(s, **change), device_bytes)]
+    budget = _largest_budget(m, s, device_bytes, dynamic, longest)
+    fitting += [budget] if budget else []
+    if fitting or not options:
+        return fitting
+    together = dataclasses.replace(s, **{k: v for _, change in options for k, v in change.items()})
+    return [" ".join(flag for flag, _ in options)] if _fits(m, together, device_bytes) else []
+
+
+def _largest_budget(m: ModelShape, s: Setup, device_bytes, dynamic: bool, longest: int):
+    """The largest token budget (or micro batch size) that fits, as a flag; None if even one sample does not."""
+    def fits(tokens):
+        return _fits(m, dataclasses.replace(s, train_tokens=tokens), device_bytes)
+
+    if dynamic:
+        low, high = longest, s.train_tokens  # a sample longer than the budget is a micro batch alone
+        if high <= low or not fits(low):
+            return None
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return f"--train.max_tokens_per_gpu {low}"
+    size = next((k for k in range(s.train_tokens // longest - 1, 0, -1) if fits(k * longest)), None)
+    return size and f"--train.micro_batch_size {size}"
+
+
+def refusal(p: dict, m: ModelShape, s: Setup, dynamic: bool, longest: int):
+    """The one line refusing a plan that does not fit (None when it fits or is not checked)."""
+    device = p["device_memory"]
+    if not p["checked"] or not device:
+        return None
+    rank, engine = p["trainer_rank"]["total"], p["vllm_engine"]
+    if rank > device:
+        fixes = remedies(m, s, device, dynamic, longest)
+        fix = (f"try {' / '.join(fixes)}" if fixes else
+               "no single setting fits it: add trainer ranks (--actor.num_gpus_per_node) or use a larger device")
+        return f"memory plan: trainer rank needs {rank / GB:.1f} GB of {device / GB:.1f} GB; {fix}"
+    if engine.get("kv_cache") is not None and engine["kv_cache"] <= 0:
+        return (f"memory plan: a vLLM engine's weights need {engine['weights'] / GB:.1f} GB of its "
+                f"{engine['total'] / GB:.1f} GB share; raise --vllm.tensor_parallel_size or "
+                "--vllm.gpu_memory_utilization")
+    return None
+
+
+def table(p: dict) -> str:
+    """The plan as a few lines of text."""
+    r, e, device = p["trainer_rank"], p["vllm_engine"], p["device_memory"]
+    gb = lambda v: "-" if v is None else f"{v / GB:.2f}"  # noqa: E731
+    rows = [f"memory plan ({p['params'] / 1e9:.3f}B parameters; device {gb(device)} GB"
+            + ("" if p["checked"] else ", not checked") + ")",
+            "  trainer rank: " + ", ".join(f"{k} {gb(v)}" for k, v in r.items() if k != "total")
+            + f" -> {gb(r['total'])} GB",
+            "  vLLM engine (per GPU): " + ", ".join(f"{k} {gb(v)}" for k, v in e.items() if k != "total")
+            + f" -> {gb(e['total'])} GB"]
+    return "\n".join(rows)
+
+
+@functools.lru_cache(maxsize=8)
+def model_shape(model):
+    """The shape of --actor.model_name_or_path: an HF folder's config.json, a GGUF file's metadata, a hub id's
+    config (from the local cache, else the hub where it answers), or the embedded tiny model's; None where it
+    cannot be read (the run then starts unplanned)."""
+    try:
+        return ModelShape.from_config(_model_config(model))
+    except (OSError, KeyError, TypeError, ValueError):  # offline hub, a config without the shape's fields
+        return None
+
+
+def _model_config(model) -> dict:
+    if not model:
+        from openrlhf_async.models.tiny import DEFAULT_SETTINGS as S, build_config, build_tokenizer
+
+        return build_config(build_tokenizer(), S["num_layers"], S["intermediate_size"], S["max_positions"]).to_dict()
+    if os.path.isdir(model):
+        with open(os.path.join(model, "config.json")) as f:
+            return json.load(f)
+    from transformers import AutoConfig
+
+    if model.lower().endswith(".gguf"):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)),
+                                          gguf_file=os.path.basename(model)).to_dict()
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True).to_dict()
+    except OSError:
+        if os.environ.get("HF_HUB_OFFLINE", "").strip() not in ("", "0"):
+            raise
+        import socket
+
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()  # an offline login node fails fast
+        return AutoConfig.from_pretrained(model).to_dict()
+
+
+def device_memory(cfg) -> tuple:
+    """(bytes, checked): --plan.device_memory_gb (checked); else a visible GPU's (checked on cuda); else on cpu the
+    host's memory, not checked: ranks, engines and other programs share it, so a per-rank bound would mislead."""
+    if cfg.plan.device_memory_gb:
+        return int(cfg.plan.device_memory_gb * GB), True
+    if cfg.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory, True
+        return None, False  # a driver on a CPU-only head: planned without a device size
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), False
+
+
+def for_config(cfg):
+    """The run's plan (None where the model's shape cannot be read); raises ConfigError where it cannot fit."""
+    from openrlhf_async.config import ConfigError
+
+    shape = model_shape(cfg.actor.model_name_or_path)
+    if shape is None:
+        return None
+    s = setup_of(cfg)
+    p = plan(shape, s, *device_memory(cfg))
+    why = refusal(p, shape, s, cfg.train.dynamic_batch_enable, cfg.data.max_len)
+    if why:
+        raise ConfigError(why)
+    return p
