@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 
 CACHE ?= $(or $(OPENRLHF_ASYNC_CACHE),$(HOME)/.cache/openrlhf_async)
 
-.PHONY: install bwrap demo test clean smollm2 smollm2-rl
+.PHONY: install bwrap demo test clean smollm2 smollm2-rl gpu-check gpu-wheels
 
 install: $(STAMP) bwrap
 
@@ -67,6 +67,24 @@ smollm2-rl: install $(SMOLLM2_GGUF)
 
 test: install $(SMOLLM2_GGUF)
 	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q tests
+
+# Whenever a GPU machine is at hand: `make gpu-check` runs the real trainer's ZeRO-3 step (NCCL, bf16, gradient
+# checkpointing, world size 1) on randomly initialised Qwen2.5-1.5B and Qwen2.5-7B shapes, checks that packed rows
+# reach the gradients padded rows do, and prints per shape peak GPU memory and step time as one JSON line
+# (benchmarks/gpu_check.py; exit 1 if gradients differ, 2 if packages are missing). The GPU machine needs only
+# PyTorch: deepspeed, transformers and accelerate, where missing, install from the wheels in $(WHEELS) without an
+# index. `make gpu-wheels` fills that folder here (about 46 MiB, git-ignored: carry it along); GPU_PYTHON=3.12 fetches
+# them for a GPU machine whose Python differs from this one's. GPU_CHECK_ARGS passes flags on, e.g. "--shape 1.5b",
+# or "--device cpu --shape tiny" for the same check on gloo in fp32 (what tests/test_gpu_check.py runs).
+WHEELS ?= wheels/gpu
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_check.py --wheels $(WHEELS) $(GPU_CHECK_ARGS)
+
+gpu-wheels: install
+	$(PY) benchmarks/gpu_check.py --download_wheels $(WHEELS) $(if $(GPU_PYTHON),--python_version $(GPU_PYTHON))
 
 clean:
 	rm -rf runs .pytest_cache

@@ -120,17 +120,34 @@ def frozen_model_config(ds: dict) -> dict:
     }
 
 
+def _build_model(model_path, load: dict):
+    """The model from its folder, or (model_path a transformers config) randomly initialised in that shape: how
+    benchmarks/gpu_check.py trains real shapes without their weights. Under ZeRO-3 both are partitioned as built."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(model_path, PretrainedConfig):
+        return AutoModelForCausalLM.from_config(model_path, **load)
+    return AutoModelForCausalLM.from_pretrained(model_path, **load)
+
+
+def batch_totals(samples: list) -> dict:
+    """The batch's response tokens the model wrote and its sequences with any: what the loss is averaged over."""
+    masks = [s.get("action_mask", [1] * len(s["response_ids"])) for s in samples]
+    return {"tokens": max(1, sum(map(sum, masks))), "sequences": max(1, sum(1 for m in masks if any(m)))}
+
+
 class PolicyActor:
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path, *,
                  backend: str, ds: dict, optim: dict, model: dict, seed: int, reference: bool = False):
-        """ds: deepspeed_config's settings; optim: lr, betas, eps, weight_decay, max_norm, scheduler, warmup_ratio,
+        """model_path: the model's folder (or hub id), or a transformers config for random weights of its shape;
+        ds: deepspeed_config's settings; optim: lr, betas, eps, weight_decay, max_norm, scheduler, warmup_ratio,
         min_lr_ratio, total_steps; model: attn_implementation, experts_implementation, gradient_checkpointing,
         reentrant, deterministic."""
         # LOCAL_RANK 0: Ray gives each rank actor its own GPU as device 0 (CUDA_VISIBLE_DEVICES).
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         import deepspeed
-        from transformers import AutoModelForCausalLM, enable_full_determinism, get_scheduler
+        from transformers import enable_full_determinism, get_scheduler
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         torch.manual_seed(seed)
@@ -149,7 +166,7 @@ class PolicyActor:
                 "attn_implementation": attn_implementation(model["attn_implementation"], model["device"])}
         if model["experts_implementation"]:
             load["experts_implementation"] = model["experts_implementation"]
-        policy = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        policy = _build_model(model_path, load)
         if model["gradient_checkpointing"]:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
         adam = dict(lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"])
@@ -525,8 +542,7 @@ class PolicyGroup:
         --train.dynamic_batch_enable, of --train.max_tokens_per_gpu tokens; returns the step's loss figures (means
         over the batch's tokens)."""
         samples = self._with_reference(samples, loss_cfg)
-        masks = [s.get("action_mask", [1] * len(s["response_ids"])) for s in samples]
-        totals = {"tokens": max(1, sum(map(sum, masks))), "sequences": max(1, sum(1 for m in masks if any(m)))}
+        totals = batch_totals(samples)
         batches, _ = self._plan(samples, micro_batch_size, self.batching["max_tokens"])
         results = get_all([a.train_step.remote(micro, totals, loss_cfg, self.batching)
                            for a, micro in zip(self.actors, batches)])
