@@ -112,19 +112,17 @@ def make_samples(count: int, prompt_len: int, response_len: int, vocab: int, see
     return samples
 
 
-def planned_gb(shape: dict, ds: dict, model: dict, micro_batch_tokens: int):
-    """The memory plan's estimate of this step's peak (GB), to set beside the measured one. None while
-    openrlhf_async.trainer.memory_plan does not exist (it is being written on another branch); once it does, this
-    is the one place that calls it (expected: memory_plan.planned_gb(config dict, ds, model, micro batch tokens,
-    world_size))."""
-    try:
-        from openrlhf_async.trainer import memory_plan
-    except ImportError:
-        return None
-    plan_fn = getattr(memory_plan, "planned_gb", None)
-    if plan_fn is None:
-        return None
-    return round(float(plan_fn(shape, ds=ds, model=model, micro_batch_tokens=micro_batch_tokens, world_size=1)), 2)
+def planned_gb(config, cfg, micro_batch_tokens: int) -> float:
+    """The memory plan's estimate (trainer/memory_plan.py, what --dry_run prints) of this step's peak, in GB of 2^30
+    bytes, for the micro batch the check runs."""
+    from dataclasses import replace
+
+    from openrlhf_async.trainer import memory_plan
+
+    setup = replace(memory_plan.setup_of(cfg), ranks=1, train_tokens=micro_batch_tokens,
+                    logprob_tokens=micro_batch_tokens)
+    shape = memory_plan.ModelShape.from_config(config.to_dict())
+    return round(memory_plan.rank_bytes(shape, setup)["total"] / memory_plan.GB, 3)
 
 
 class PeakMemory:
@@ -139,9 +137,9 @@ class PeakMemory:
     def gb(self) -> float:
         if self.cuda:
             self.torch.cuda.synchronize()
-            return self.torch.cuda.max_memory_allocated() / 1e9
+            return self.torch.cuda.max_memory_allocated() / 2**30
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024 / 1e9
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024 / 2**30
 
 
 def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: int) -> dict:
@@ -218,8 +216,8 @@ def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: 
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in actor.engine.module.parameters()),
         "peak_gb": round(peak.gb(), 3), "peak_of": "cuda allocator" if device == "cuda" else "process resident set",
-        "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 3) if device == "cuda" else None,
-        "planned_gb": planned_gb(shape, ds, model, micro_tokens),
+        "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 3) if device == "cuda" else None,
+        "planned_gb": planned_gb(config, cfg, micro_tokens),
         "step_s_packed": round(packed["seconds"], 3), "step_s_padded": round(padded["seconds"], 3),
         "tokens": sum(sample_length(s) for s in samples), "samples": len(samples),
         "micro_batch_size": workload["micro_batch_size"],
