@@ -1,5 +1,6 @@
 """The training pipeline: a GenerateSamplesActor and a TrainingActor exchanging batches over a bounded
-ray.util.queue.Queue, started and watched by PPOTrainerAsync. One pipeline for every mode (see staleness.py):
+queue (a batch's episodes travel packed in Ray's object store, see handover.py), started and watched by
+PPOTrainerAsync. One pipeline for every mode (see staleness.py):
 
 - sync: the generator may only produce with the newest weights, so generation, training and sync alternate;
 - async: the generator runs up to --train.async_queue_size batches ahead of the trainer;
@@ -33,7 +34,7 @@ class QueuedBatch:
     """What the generator puts on the queue for the trainer: one batch of valid groups and its records."""
     index: int  # production order: the trainer consumes batches in it
     version: int  # the weight version it was made to be trained at
-    groups: list  # lists of Episode
+    groups: list  # lists of Episode; inside the queue, a reference to them packed (handover.py)
     metrics: dict  # the rollout's metrics for this batch
     used: list  # (stream position, prompt id) of every prompt this batch used up
     flat: list  # (prompt id, flat) of every finished group, for skipping flat prompts
@@ -465,10 +466,12 @@ class PPOTrainerAsync:
         import ray
         from ray.util.queue import Queue
 
+        from openrlhf_async.trainer.handover import BatchQueue
+
         self.cfg = cfg
         self.first_step = resumed["step"] + 1 if resumed else 1
         here = on_this_node()  # a node lost takes engines or ranks with it, never the run's control
-        self.queue = Queue(maxsize=cfg.queue_size, actor_options=here)
+        self.queue = BatchQueue(cfg.queue_size, here)
         self.metrics_queue = Queue(actor_options=here)
         options = {**here, "max_concurrency": 2}  # run() blocks; stop() must still get through
         self.generator = ray.remote(GenerateSamplesActor).options(**options).remote(
