@@ -368,7 +368,8 @@ def test_a_memory_bomb_fails_fast(hook):
         print("allocated")
     """, hook, timeout=10.0, memory_mb=256)
     assert time.monotonic() - start < 5.0 and not result["timed_out"]
-    assert "allocated" not in result["stdout"] and "MemoryError" in result["stderr"] or HOOK[hook]
+    assert "allocated" not in result["stdout"], result
+    assert "MemoryError" in result["stderr"] or HOOK[hook], result  # the hook may stop it before Python's own error
     assert "malloc" not in result["stdout"] or "malloc 0\n" in result["stdout"]
 
 
