@@ -309,3 +309,25 @@ def test_a_user_file_that_hangs_or_exits_at_import_is_one_line(tmp_path, flag, b
                            str(tmp_path / "runs"), flag, str(path)], capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and f"error: {flag} {path}: {expected}" in err and len(err.splitlines()) == 1, err
+
+
+MISSING_PACKAGE = """
+import sys
+
+class Missing:  # this environment without the tokenizers package
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tokenizers":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+from openrlhf_async.cli.train_async import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_missing_package_is_one_line_saying_to_run_make_install(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", MISSING_PACKAGE, "@" + preset_path("tiny_cpu"), "--dry_run",
+                           "--runs_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: the Python package 'tokenizers' is missing from {sys.executable}'s environment: run `make install` "
+        "and use .venv/bin/python"], proc.stderr

@@ -158,6 +158,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # this environment lacks a package the project needs
+        print(f"error: the Python package '{e.name}' is missing from {sys.executable}'s environment: run `make "
+              "install` and use .venv/bin/python", file=sys.stderr)
+        return 2
     if cfg.dry_run:
         report = dry_run_report(cfg, model_path, train_rows, eval_rows, resume)
         print(json.dumps(report, indent=2))
