@@ -183,9 +183,10 @@ def main(argv=None) -> int:
 
     from openrlhf_async.trainer.run import train
     from openrlhf_async.utils.cluster import connect
-    from openrlhf_async.utils.ray_utils import root_cause
+    from openrlhf_async.utils.ray_utils import catch_interrupts, root_cause
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: a stuck run's stacks on stderr
+    catch_interrupts()
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # CPU actors need no device masking
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")  # the run reports its first failure itself

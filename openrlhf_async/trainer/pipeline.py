@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_async.trainer.staleness import StalenessPolicy, version_report
-from openrlhf_async.utils.ray_utils import on_this_node
+from openrlhf_async.utils.ray_utils import on_this_node, raise_if_interrupted
 from openrlhf_async.utils.timeline import Timeline
 
 END = "end"  # the generator's last queue item
@@ -494,6 +494,7 @@ class PPOTrainerAsync:
         try:
             while summary is None:
                 done, _ = ray.wait(list(roles), num_returns=1, timeout=0.2)
+                raise_if_interrupted()
                 self._drain_metrics(log)
                 for ref in done:
                     role = roles.pop(ref)

@@ -1,5 +1,27 @@
 """Waiting on Ray work without hanging behind a failed actor."""
 
+import signal
+import threading
+
+# Set by the CLI's Ctrl-C handler. Ray runs Python's signal handlers from inside its own waits and turns the
+# KeyboardInterrupt into a status that some of its waits drop, so a Ctrl-C can be lost; loops that wait on Ray
+# check this as well.
+INTERRUPTED = threading.Event()
+
+
+def catch_interrupts() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual and is also remembered in INTERRUPTED."""
+    def on_interrupt(signum, frame):
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+
+
+def raise_if_interrupted() -> None:
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+
 
 def on_this_node() -> dict:
     """Actor options that keep an actor on the caller's node: the run's control actors (fleet, generator, trainer
