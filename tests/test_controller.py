@@ -1,6 +1,7 @@
 """The rollout controller's logic with in-process fake engines: FIFO, load balancing, filtering, early stop."""
 
 import asyncio
+import re
 
 import pytest
 
@@ -522,7 +523,7 @@ def test_a_time_bound_starves_a_slow_batch_and_aborts_what_still_runs():
     groups, m = c.run(_source(labels), target=4)
     assert len(groups) == 1 and m["rollout/starved_batches"] == 1 and m["rollout/time_to_batch_s"] < 5
     assert m["rollout/groups_aborted"] == 3 and len(engine.aborted) == 3 and list(c.balancer.loads.values()) == [0]
-    assert "after 0 s" in m["rollout/starved_reason"]
+    assert re.search(r"after [01] s$", m["rollout/starved_reason"]), m  # 0.3 s bound; rounded, 1 s under load
     # Without dynamic sampling nothing starves: a slow batch is waited for.
     _, m = _controller([FakeEngine()], algo={**NO_FILTER, "dynamic_filtering_max_wait_s": 0.05}).run(
         _source([{"delay": 0.2, "scores": VALID}] * 4), target=4)
