@@ -265,7 +265,9 @@ def _model_config(model) -> dict:
             return json.load(f)
     from transformers import AutoConfig
 
-    if model.lower().endswith(".gguf"):
+    from openrlhf_async.models.gguf import is_gguf
+
+    if is_gguf(model):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)),
                                           gguf_file=os.path.basename(model)).to_dict()
     try:

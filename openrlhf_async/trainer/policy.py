@@ -86,16 +86,8 @@ def deepspeed_config(ds: dict, max_norm: float) -> dict:
         zero["zero_hpz_partition_size"] = ds["zpg"]
     if ds["adam_offload"]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": max_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": ds["dtype"] == "bf16"},
-        "fp16": {"enabled": ds["dtype"] == "fp16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
+    config = {**_engine_settings(ds), "gradient_clipping": max_norm, "zero_optimization": zero,
+              "zero_allow_untested_optimizer": True}
     if ds["grad_accum_dtype"]:
         config["data_types"] = {"grad_accum_dtype": ds["grad_accum_dtype"]}
     return config
@@ -110,14 +102,15 @@ def frozen_model_config(ds: dict) -> dict:
     zero = {"stage": stage}
     if stage == 3 and ds["ref_offload"]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": zero,
-        "bf16": {"enabled": ds["dtype"] == "bf16"},
-        "fp16": {"enabled": ds["dtype"] == "fp16"},
-        "steps_per_print": 10**9,
-    }
+    return {**_engine_settings(ds), "zero_optimization": zero}
+
+
+def _engine_settings(ds: dict) -> dict:
+    """What every DeepSpeed engine here has: one sample per micro batch (the trainer plans its own micro batches and
+    accumulation), the policy's dtype, no periodic prints."""
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": ds["dtype"] == "bf16"}, "fp16": {"enabled": ds["dtype"] == "fp16"},
+            "steps_per_print": 10**9}
 
 
 def _build_model(model_path, load: dict):
