@@ -10,7 +10,12 @@ INTERRUPTED = threading.Event()
 
 
 def catch_interrupts() -> None:
-    """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual and is also remembered in INTERRUPTED."""
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual and is also remembered in INTERRUPTED. Only the main
+    thread may set a signal handler: a run started from another thread (a benchmark driving the CLI) keeps
+    Python's default."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
     def on_interrupt(signum, frame):
         INTERRUPTED.set()
         raise KeyboardInterrupt
