@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 
 CACHE ?= $(or $(OPENRLHF_ASYNC_CACHE),$(HOME)/.cache/openrlhf_async)
 
-.PHONY: install bwrap demo test clean smollm2 smollm2-rl gpu-check gpu-wheels
+.PHONY: install bwrap demo test test-long clean smollm2 smollm2-rl gpu-check gpu-wheels
 
 install: $(STAMP) bwrap
 
@@ -65,8 +65,12 @@ smollm2-rl: install $(SMOLLM2_GGUF)
 	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async @openrlhf_async/presets/smollm2_cpu.args \
 	  --actor.model_name_or_path $(SMOLLM2_GGUF) --run_name smollm2 --overwrite
 
+# The suite without the runs marked long (about half an hour on 2 CPU cores); test-long runs those (about 25 minutes).
 test: install $(SMOLLM2_GGUF)
-	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q tests
+	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -m "not long" --durations=15 tests
+
+test-long: install $(SMOLLM2_GGUF)
+	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -m long --durations=15 tests
 
 # Whenever a GPU machine is at hand: `make gpu-check` runs the real trainer's ZeRO-3 step (NCCL, bf16, gradient
 # checkpointing, world size 1) on randomly initialised Qwen2.5-1.5B and Qwen2.5-7B shapes, checks that packed rows

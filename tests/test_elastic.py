@@ -166,6 +166,7 @@ def test_a_policy_rank_killed_mid_run_restarts_the_trainer_from_its_checkpoint_b
     assert positions == list(range(len(positions))), "a prompt was trained twice, or the stream has a gap"
 
 
+@pytest.mark.long  # 6 to 12 minutes; the other tests here cover engine loss and replacement in less
 @pytest.mark.timeout(900)  # about 4 minutes here: four engine starts and 180 steps
 def test_a_node_lost_mid_rollout_is_replaced_on_a_new_node_and_the_run_grows_onto_another(tmp_path):
     """benchmarks/elastic_scenario.py on a simulated 3-node cluster: a node is killed while its engine has requests in

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from openrlhf_async.config import preset_path
@@ -46,6 +47,7 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     return json.loads(lines[-1][len("TOKENS "):])
 
 
+@pytest.mark.long  # 5 minutes; test_real_model checks SmolLM2 on the real engine and trainer in less
 def test_a_short_smollm2_run_leaves_checkpoints_that_generate_the_same_greedy_text_everywhere(tmp_path, smollm2_gguf,
                                                                                              smollm2):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -42,8 +42,8 @@ WEIGHT = "model.layers.0.mlp.down_proj.weight"
 # and optimizer offload under every stage that has a ZeRO optimizer (1 to 3).
 @pytest.mark.parametrize("stage, reference, offload", [
     pytest.param(0, True, False, id="zero0-ref"),
-    pytest.param(1, False, True, id="zero1-offload"),
-    pytest.param(2, True, True, id="zero2-ref-offload"),
+    pytest.param(1, False, True, id="zero1-offload", marks=pytest.mark.long),
+    pytest.param(2, True, True, id="zero2-ref-offload", marks=pytest.mark.long),
     pytest.param(3, True, True, id="zero3-ref-offload"),
 ])
 def test_each_zero_stage_trains_a_step_beside_a_frozen_reference_model_and_saves_and_restores_it(
