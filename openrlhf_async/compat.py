@@ -73,7 +73,8 @@ SWITCHES = {"bf16": ("ds.param_dtype", "bf16"), "flash_attn": ("ds.attn_implemen
 # Flags OpenRLHF dropped, whose feature does not exist any more.
 DROPPED = ("perf", "actor_init_on_gpu", "ptx_coef")
 # The importance-sampling correction before 0.11.2: a switch and a type, today a level and a mode.
-_CORRECTION_SWITCHES = ("enable_vllm_is_correction", "algo.advantage.is_correction_enable")
+_CORRECTION_SWITCHES = ("enable_vllm_is_correction", "vllm_enable_is_correction",  # 0.10.0 spelled it both ways
+                         "algo.advantage.is_correction_enable")
 _CORRECTION_TYPES = ("vllm_is_correction_type", "algo.advantage.is_correction_type")
 _CORRECTION = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("seq", "mask")}
 _PROMPT_MAX_LEN = "prompt_max_len"  # 0.8.x: the prompt's budget; today --data.max_len covers prompt and response

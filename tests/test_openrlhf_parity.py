@@ -100,8 +100,10 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
     (["--data.max_images_per_prompt", "2"], "--data.max_images_per_prompt 2: not supported here: vision-language"),
     (["--algo.advantage.estimator", "gae"], "--algo.advantage.estimator gae (OpenRLHF's default) needs a critic"),
     (["--actor.optim", "muon"], "--actor.optim muon: not supported here: only adam"),
-    (["--train.colocate_all"], "--train.colocate_all: in sync mode OpenRLHF runs the hybrid engine"),
-    (["--vllm.enable_sleep"], "--vllm.enable_sleep True: not supported here: engines never share"),
+    (["--train.colocate_all"], "--train.colocate_all: --vllm.num_engines 1 x --vllm.tensor_parallel_size 1 (1) "
+                               "must equal"),
+    (["--train.async_enable", "--vllm.enable_sleep"], "--vllm.enable_sleep with --mode async: the asynchronous "
+                                                      "modes keep the engines on devices of their own"),
     (["--train.batch_size", "512"], "--train.batch_size 512: a mini batch cannot hold more than the rollout batch's"),
     (["--train.partial_rollout_enable"], "--train.partial_rollout_enable needs --train.async_enable"),
     (["--use_ms"], "--use_ms True: not supported here: ModelScope"),

@@ -109,9 +109,11 @@ def load_datasets(cfg, builtin_dir: str):
 def resources(cfg) -> dict:
     """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda) and DeepSpeed ranks."""
     engine_gpus = cfg.num_engines * cfg.vllm.tensor_parallel_size
+    # The hybrid engine's engines share the trainer's GPUs (validate checked that they cover them exactly).
+    gpus = max(engine_gpus, cfg.actor.world_size) if cfg.hybrid else engine_gpus + cfg.actor.world_size
     return {"device": cfg.device, "vllm_engines": cfg.num_engines,
             "tensor_parallel_size": cfg.vllm.tensor_parallel_size, "trainer_ranks": cfg.actor.world_size,
-            "gpus": engine_gpus + cfg.actor.world_size if cfg.device == "cuda" else 0}
+            "hybrid": cfg.hybrid, "gpus": gpus if cfg.device == "cuda" else 0}
 
 
 def check_cluster(cfg) -> None:
@@ -122,9 +124,11 @@ def check_cluster(cfg) -> None:
 
     need, have = resources(cfg)["gpus"], int(ray.cluster_resources().get("GPU", 0))
     if need > have:
+        shared = " sharing the GPUs of" if cfg.hybrid else " +"
         raise ConfigError(f"--device cuda: the run needs {need} GPUs ({cfg.num_engines} engines x "
-                          f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size} + {cfg.actor.world_size} "
-                          f"trainer ranks) and the Ray cluster has {have}; lower them or use --device cpu")
+                          f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}{shared} "
+                          f"{cfg.actor.world_size} trainer ranks) and the Ray cluster has {have}; lower them or use "
+                          "--device cpu")
 
 
 def dry_run_report(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> dict:
