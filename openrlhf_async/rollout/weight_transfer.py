@@ -36,15 +36,19 @@ def register() -> None:
 
 @dataclass
 class BroadcastInitInfo(WeightTransferInitInfo):
-    """Where the group meets (rank 0, the trainer, serves the rendezvous) and how the weights travel."""
+    """How the weights travel: "broadcast", over the group (rank 0, the trainer, serves the rendezvous), or "shm",
+    through a shared-memory file the trainer rank on this engine's devices writes a bucket at a time (the hybrid
+    engine on cpu)."""
 
-    master_address: str
-    master_port: int
-    rank_offset: int  # this engine's first rank in the group (its tensor-parallel workers follow)
-    world_size: int
-    backend: str  # "gloo", "nccl" or sync_group.GLOO_AS_NCCL
-    timeout_s: float
-    bucket_bytes: int  # the policy is broadcast in buckets of at most this many bytes (sync_group.plan_buckets)
+    transport: str = "broadcast"
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 0  # this engine's first rank in the group (its tensor-parallel workers follow)
+    world_size: int = 0
+    backend: str = ""  # "gloo", "nccl" or sync_group.GLOO_AS_NCCL
+    timeout_s: float = 0.0
+    bucket_bytes: int = 0  # the policy is broadcast in buckets of at most this many bytes (sync_group.plan_buckets)
+    path: str = ""  # shm: the file, of bucket_bytes bytes
 
 
 @dataclass
@@ -63,11 +67,16 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group, self.bucket_bytes = None, None
+        self.shared = None  # shm: the trainer's file, mapped as bytes
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         if self.group is not None:  # a group of earlier members: aborted before another is formed
             self.group.close()
             self.group = None
+        self.shared, self.bucket_bytes = None, init_info.bucket_bytes
+        if init_info.transport == "shm":
+            self.shared = torch.from_file(init_info.path, shared=True, size=init_info.bucket_bytes, dtype=torch.uint8)
+            return
         rank = init_info.rank_offset + self.parallel_config.rank
         self.group = SyncGroup(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                init_info.backend, init_info.timeout_s, self.device)
@@ -85,7 +94,11 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         """Receive the buckets in order, each loaded as it arrives; returns once this worker's device holds them all
-        (raises, the group aborted, when the broadcast failed or did not complete within its timeout)."""
+        (raises, the group aborted, when the broadcast failed or did not complete within its timeout). With shm, the
+        update is one bucket, in the file now."""
+        if self.shared is not None:
+            self._load_shared(update_info)
+            return
         if self.group is None:
             raise RuntimeError("the weight-sync group was never formed: init_weight_transfer_engine first")
         named = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
@@ -103,6 +116,18 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
                 print(f"weight update: finishing the failed reload: {type(e).__name__}: {e}", flush=True)
             raise
 
+    def _load_shared(self, update_info: BroadcastUpdateInfo) -> None:
+        named = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
+        dtype = DTYPES[named[0][1]]
+        numel = sum(torch.Size(shape).numel() for _, _, shape in named)
+        size = numel * dtype.itemsize
+        if size > self.shared.numel():
+            raise ValueError(f"a bucket of {size} bytes does not fit the shared file's {self.shared.numel()}")
+        flat = self.shared[:size].view(dtype)
+        # Cloned: the layerwise reload keeps a layer's tensors until the layer is complete, and the trainer writes
+        # the next bucket over this one as soon as this call returns.
+        self.model.load_weights((name, t.to(self.device, copy=True)) for name, t in unflatten(flat, named))
+
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -111,6 +136,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         synchronize(self.device)
 
     def shutdown(self) -> None:
+        self.shared = None
         if self.group is not None:
             self.group.close()
             self.group = None

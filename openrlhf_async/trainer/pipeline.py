@@ -279,6 +279,8 @@ class TrainingActor:
             if synced:
                 with self.timeline.span("sync"):
                     self.weight_sync.sync(self.staleness.pause_mode)
+            else:
+                self.weight_sync.to_generate()
             metrics.update(self._timing(depth, synced))
             if self.eval_prompts and (step % cfg.eval.steps == 0 or step == t.max_steps):
                 scores = self._evaluate()
@@ -358,6 +360,7 @@ class TrainingActor:
                 samples = [training_sample(ep, adv) for g, row in zip(groups, advantages)
                            for ep, adv in zip(g, row.tolist())]
                 t = self.cfg.train
+                self.weight_sync.to_train()  # the hybrid engine's engines sleep
                 stats = self.policy.train_batch(samples, t.micro_batch_size, loss_settings(self.cfg), t.batch_size,
                                                 t.max_epochs, seed=t.seed + version)
                 metrics = {"reward/mean": rewards.mean().item(),

@@ -167,6 +167,12 @@ class PolicyActor:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             optimizer = DeepSpeedCPUAdam(policy.parameters(), adamw_mode=True, **adam)
+        elif ds.get("enable_sleep") and self.zero_stage == 3 and model["device"] == "cuda":
+            # DeepSpeed offloads ZeRO-3 optimizer states of its FusedAdam only (stage3.offload_states), as OpenRLHF
+            # builds it for the hybrid engine.
+            from deepspeed.ops.adam import FusedAdam
+
+            optimizer = FusedAdam(policy.parameters(), adam_w_mode=True, **adam)
         else:
             optimizer = torch.optim.AdamW(policy.parameters(), **adam)
         total = max(1, optim["total_steps"])
@@ -178,6 +184,8 @@ class PolicyActor:
         self.reference = self._load_reference(model_path, load, frozen_model_config(ds)) if reference else None
         self.model_path = model_path
         self.sync_group = None
+        self.adam_offload, self.offloaded = ds["adam_offload"], False
+        self.weight_file = self.held = None  # the hybrid engine's: shared bucket (cpu) or IPC-shared tensors (cuda)
         self.timeline = Timeline(f"rank {rank}")
 
     def _load_reference(self, model_path: str, load: dict, ds_config: dict):
@@ -378,6 +386,101 @@ class PolicyActor:
             print(f"weight broadcast failed: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
             return False
 
+    # ---- the hybrid engine (trainer/hybrid.py) -------------------------------------------------------------------
+
+    def _offload_include(self) -> list:
+        """The DeepSpeed states moved off the device while the engines generate: OpenRLHF's set (the fp32 master
+        weights, optimizer moments, gradients) but never the bf16 partitions, which the weight transfer gathers.
+        ZeRO-3 moves optimizer states of FusedAdam only (a cuda optimizer): elsewhere its gradients alone."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+        if self.zero_stage == 3 and type(self.engine.optimizer.optimizer).__name__ != "FusedAdam":
+            return [S.lp_grads, S.contiguous_grad_buffer]
+        return [S.optim_states, S.contiguous_grad_buffer, S.hp_params, S.lp_grads]
+
+    def offload_states(self) -> bool:
+        """Move the training states to host memory for the engines' turn (on cpu: within host memory, the same calls);
+        False when there is nothing to move (ZeRO-Offload keeps them there already, or they are offloaded)."""
+        if self.adam_offload or self.offloaded:
+            return False
+        with self.timeline.span("offload"):
+            self.engine.offload_states(include=self._offload_include())
+            self.offloaded = True
+        return True
+
+    def reload_states(self) -> bool:
+        if not self.offloaded:
+            return False
+        with self.timeline.span("reload"):
+            self.engine.reload_states()
+            self.offloaded = False
+        return True
+
+    def open_weight_file(self, size: int) -> str:
+        """A shared-memory file of size bytes that this rank writes a bucket at a time and the engine on its devices
+        maps (the hybrid engine on cpu); its path."""
+        import tempfile
+
+        self.unlink_weight_file()
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="openrlhf_async-weights-", dir=folder)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self.weight_file = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        return path
+
+    def unlink_weight_file(self) -> None:
+        """Remove the file's name once its engine mapped it: the mappings stay, nothing is left behind."""
+        if self.weight_file is not None and self.weight_file[0]:
+            try:
+                os.unlink(self.weight_file[0])
+            except OSError:
+                pass
+            self.weight_file = ("", self.weight_file[1])
+
+    def write_bucket(self, bucket: list) -> bool:
+        """Gather one bucket's parameters (collective over the ZeRO-3 ranks) and, on a rank with a weight file, write
+        them there flat, for its engine's update_weights."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        tensors = [params[name] for name, _, _ in bucket]
+        with self.timeline.span("sync"), deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
+            if self.weight_file is not None:
+                flat = self.weight_file[1]
+                offset = 0
+                for t in tensors:
+                    data = t.data.reshape(-1)
+                    size = data.numel() * data.element_size()
+                    flat[offset : offset + size].view(data.dtype).copy_(data)
+                    offset += size
+        return True
+
+    def share_bucket(self, bucket: list, owner: bool):
+        """cuda: gather one bucket's parameters and, on a rank with an engine on its GPU, copy them into tensors kept
+        until release_shared, exported as CUDA IPC handles: per parameter {this GPU's UUID: rebuild args}, the form of
+        vLLM's IPC weight-transfer engine. Not run here (no GPU in this project's CI)."""
+        import deepspeed
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        params = dict(self.engine.module.named_parameters())
+        tensors = [params[name] for name, _, _ in bucket]
+        handles = None
+        with self.timeline.span("sync"), deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
+            if owner:
+                uuid = str(torch.cuda.get_device_properties(self._device()).uuid)
+                kept = [t.data.detach().clone() for t in tensors]
+                self.held = (self.held or []) + kept  # the engine reads them until its finish_weight_update
+                handles = [{uuid: reduce_tensor(t)[1]} for t in kept]
+        return handles
+
+    def release_shared(self) -> None:
+        self.held = None
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
     def read_weight(self, name: str) -> torch.Tensor:
         import deepspeed
 
@@ -422,6 +525,8 @@ def trainer_placement_group(cfg):
     from ray.util.placement_group import placement_group
 
     bundle = {"GPU": 1, "CPU": 1} if cfg.device == "cuda" else {"CPU": 0.001}
+    if cfg.hybrid and cfg.device == "cpu":  # the engines share these bundles: room for their --vllm.cpus_per_engine
+        bundle = {"CPU": max(0.001, cfg.vllm.cpus_per_engine)}
     group = placement_group([bundle] * cfg.actor.world_size, strategy=cfg.actor.placement_strategy)
     ray.get(group.ready())
     return group
@@ -431,12 +536,17 @@ class PolicyGroup:
     """The DeepSpeed ranks as Ray actors, with fan-out helpers the trainer loop calls."""
 
     def __init__(self, cfg, model_path: str, group=None):
+        """group: the placement group to place the ranks in (a bundle each); None: one of their own. The hybrid
+        engine's group is shared with the engines and outlives the ranks."""
         import ray
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from openrlhf_async.rollout.engine import HYBRID_GPU_SHARE
+
         actor_cls = ray.remote(PolicyActor)
         world = cfg.actor.world_size
+        self.owns_group = group is None or not cfg.hybrid
         self.group = group or trainer_placement_group(cfg)
 
         def in_bundle(rank: int) -> dict:
@@ -446,7 +556,8 @@ class PolicyGroup:
         # The rendezvous address and a free port are taken on rank 0's own node: Ray may place it on any node.
         self.rendezvous = ray.get(ray.remote(_node_address).options(num_cpus=0, **in_bundle(0)).remote())
         _, master_addr, master_port = self.rendezvous
-        opts = {"num_gpus": 1, "num_cpus": 0} if cfg.device == "cuda" else {"num_cpus": 0}
+        opts = {"num_gpus": HYBRID_GPU_SHARE if cfg.hybrid else 1, "num_cpus": 0} if cfg.device == "cuda" else {
+            "num_cpus": 0}
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))} if cfg.device == "cpu" else {}
         kwargs = dict(backend=cfg.backend, ds=ds_settings(cfg), seed=cfg.train.seed,
                       reference=cfg.algo.kl_init_coef > 0, optim=optimizer_settings(cfg), model=model_settings(cfg))
@@ -468,7 +579,8 @@ class PolicyGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        remove_placement_group(self.group)
+        if self.owns_group:
+            remove_placement_group(self.group)
 
     def _plan(self, samples: list, size: int, max_tokens) -> tuple:
         """Per rank, its micro batches as lists of samples, and as lists of their indices (batching.plan)."""
@@ -560,7 +672,8 @@ class PolicyGroup:
 def ds_settings(cfg) -> dict:
     d = cfg.ds
     return {"zero_stage": d.zero_stage, "dtype": cfg.dtype, "overlap_comm": d.overlap_comm, "zpg": d.zpg,
-            "adam_offload": d.adam_offload, "grad_accum_dtype": d.grad_accum_dtype, "ref_offload": cfg.ref.offload}
+            "adam_offload": d.adam_offload, "grad_accum_dtype": d.grad_accum_dtype, "ref_offload": cfg.ref.offload,
+            "enable_sleep": d.enable_sleep and cfg.hybrid}
 
 
 def optimizer_settings(cfg) -> dict:

@@ -81,6 +81,14 @@ def start_actors(cfg, model_path: str) -> tuple:
 
     group = trainer_placement_group(cfg)
     check_shared_folders(cfg, group_nodes(group))
+    if cfg.hybrid:  # the engines first, in the ranks' bundles (trainer/hybrid.py)
+        import ray
+
+        from openrlhf_async.trainer.hybrid import start_hybrid
+
+        fleet = start_fleet(cfg, model_path, group)
+        ray.get(fleet.wait_ready.remote())
+        return fleet, start_hybrid(cfg, model_path, group, fleet)
     with ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(PolicyGroup, cfg, model_path, group)
         return start_fleet(cfg, model_path), ranks.result()
@@ -99,9 +107,11 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
     from openrlhf_async.utils.metrics import MetricsLog
     from openrlhf_async.utils.samples import SampleText
 
+    from openrlhf_async.trainer.hybrid import HybridWeightSync, start_hybrid
+
     auto_resumes = 0
     while True:
-        weight_sync = WeightSync(policy, None, cfg, fleet=fleet)
+        weight_sync = (HybridWeightSync if cfg.hybrid else WeightSync)(policy, None, cfg, fleet=fleet)
         resumed = None
         if resume is not None:
             path, resumed = resume
@@ -126,7 +136,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
         finally:
             log.close()
         policy.shutdown()
-        policy = PolicyGroup(cfg, model_path)
+        policy = start_hybrid(cfg, model_path, policy.group, fleet) if cfg.hybrid else PolicyGroup(cfg, model_path)
         check_shared_folders(cfg, group_nodes(policy.group))  # the new ranks may sit on other nodes
 
 

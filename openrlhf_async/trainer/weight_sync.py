@@ -83,6 +83,13 @@ class WeightSync:
         ray.get(self.fleet.joined.remote(list(joined), self.version))
         return len(joined)
 
+    def to_train(self) -> None:
+        """Before a step trains: nothing here (the engines have devices of their own); the hybrid engine's engines
+        sleep (trainer/hybrid.py)."""
+
+    def to_generate(self) -> None:
+        """After a step that does not sync: nothing here; the hybrid engine's engines wake."""
+
     # ---- inside --------------------------------------------------------------------------------------------
 
     def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:

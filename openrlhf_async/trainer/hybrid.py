@@ -1,0 +1,181 @@
+"""The hybrid engine (OpenRLHF's colocate_all_models in sync mode): the vLLM engines share the trainer ranks' devices
+(trainer_placement_group's bundles, engine k beside ranks k x tensor parallel on), and a step hands the devices back
+and forth in one order, so that the engines' and the trainer's full states are never held at once:
+
+    generate -> engines sleep -> trainer states reloaded -> train -> states offloaded -> engines wake their weights
+    -> the new weights, a bucket at a time -> finish_weight_update(version) -> engines wake their KV cache
+
+(--vllm.enable_sleep: vLLM's sleep, level 1; --ds.enable_sleep: DeepSpeed's offload_states/reload_states.)
+
+The weights go through vLLM's weight-transfer API as in the split layout, from the rank on each engine's devices
+rather than over a group: on cpu this project's engine (rollout/weight_transfer.py) with its "shm" transport, a
+shared-memory file per such rank that it writes a bucket at a time and its engine maps; on cuda vLLM's own "ipc"
+engine, the rank's CUDA IPC handles per parameter (written to vLLM's format, not run here: no GPU in CI). Either way
+every rank gathers each bucket (a ZeRO-3 collective), the version moves at finish only, after the last bucket, and
+an engine that fails or hangs on the way is dropped (the fleet restarts one in its bundles) with the transfer made
+again to the others."""
+
+from openrlhf_async.rollout.engine import submit
+from openrlhf_async.trainer.weight_sync import WeightSync, _outcomes
+from openrlhf_async.utils.ray_utils import get_all
+
+
+class HybridWeightSync(WeightSync):
+    """WeightSync's surface (sync, catch_up, version, members, counters) for the hybrid engine, with to_train before
+    a step's training and to_generate after a step that does not sync. `calls` records the order of the calls made,
+    one entry each (for the run's record and the tests)."""
+
+    def __init__(self, policy, engines: list, cfg, fleet=None):
+        self.cuda = cfg.device == "cuda"
+        self.engine_sleep, self.trainer_sleep = cfg.vllm.enable_sleep, cfg.ds.enable_sleep
+        self.asleep = False  # the engines sleep (to_train) and have not woken yet
+        self.calls = []
+        self.bundles = {}  # engine id -> its first bundle, the rank it shares devices with
+        super().__init__(policy, engines, cfg, fleet)  # maps the members' transfer (_connect)
+        if self.trainer_sleep:  # generation comes first: the states wait in host memory
+            self._ranks("offload_states")
+
+    def to_train(self) -> None:
+        """The engines sleep (their running requests were aborted by the controller) and the training states come
+        back."""
+        if self.engine_sleep and not self.asleep:
+            self.members = self._keep(self.members, self._call(self.members, "sleep", 1))
+            self.asleep = True
+            self.calls.append("sleep")
+        if self.trainer_sleep:
+            self._ranks("reload_states")
+            self.calls.append("reload")
+
+    def to_generate(self) -> None:
+        """After a step that does not sync: the states leave and the engines wake whole, on their old weights."""
+        if self.trainer_sleep:
+            self._ranks("offload_states")
+            self.calls.append("offload")
+        if self.asleep:
+            self.members = self._keep(self.members, self._call(self.members, "wake_up", None))
+            self.asleep = False
+            self.calls.append("wake")
+
+    # ---- inside --------------------------------------------------------------------------------------------
+
+    def _ranks(self, method: str, *args) -> list:
+        return get_all(self.policy.call(method, *args), self.timeout + 60)
+
+    def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
+        """Offload, wake the engines' weights, transfer every bucket, finish with the version, wake the KV cache;
+        returns the engines that got the weights. A transfer that did not complete is made again to the engines left
+        (they stay asleep, on no version of it, until one does)."""
+        if self.trainer_sleep:
+            self._ranks("offload_states")
+            self.calls.append("offload")
+        if self.asleep:
+            members = self._keep(members, self._call(members, "wake_up", ["weights"]))
+            self.calls.append("wake weights")
+        for _ in range(self.attempts):
+            if not members:
+                return {}
+            if set(members) != self.grouped:
+                members = self._connect(members)
+            members, complete = self._send(members, version)
+            if complete:
+                if self.asleep:
+                    members = self._keep(members, self._call(members, "wake_up", ["kv_cache"]))
+                    self.asleep = False
+                    self.calls.append("wake kv_cache")
+                return members
+        raise RuntimeError(f"the weight transfer to engines {sorted(members)} failed {self.attempts} times with no "
+                           "engine to blame; see the engines' logs")
+
+    def _connect(self, members: dict) -> dict:
+        """Set up each engine's transfer: on cpu a new shared-memory file on the rank in its first bundle, mapped by
+        the engine and then unlinked (the mappings outlive the name: nothing is left in /dev/shm); on cuda vLLM's IPC
+        engine, unpacked. Returns the engines set up."""
+        import ray
+
+        if self.fleet is not None:
+            self.bundles = ray.get(self.fleet.bundles.remote())
+        else:
+            self.bundles = {i: i * self.tp for i in members}
+        ranks = self.policy.actors
+        if self.cuda:
+            infos = {i: {"packed": False} for i in members}
+        else:
+            size = max(_bucket_bytes(b) for b in self.buckets)
+            owners = sorted({self.bundles[i] for i in members})
+            paths = dict(zip(owners, get_all([ranks[r].open_weight_file.remote(size) for r in owners])))
+            infos = {i: {"transport": "shm", "path": paths[self.bundles[i]], "bucket_bytes": size} for i in members}
+        refs = [submit(e, "init_weight_transfer", infos[i]) for i, e in members.items()]
+        outcomes = _outcomes(refs, self.timeout + 10)
+        if not self.cuda:
+            get_all([ranks[r].unlink_weight_file.remote() for r in owners])
+        kept = self._keep(members, outcomes, ("died", "hung"))
+        errors = [value for kind, value in outcomes if kind == "error"]
+        if errors:
+            raise RuntimeError(f"the engines' weight transfer could not be set up: {errors[0]}")
+        self.grouped = set(kept)
+        return kept
+
+    def _send(self, members: dict, version: int) -> tuple:
+        """One transfer, bucket by bucket: (the engines that got every bucket, whether all did)."""
+        owners = {self.bundles[i] for i in members}
+        members = self._keep(members, self._call(members, "start_weight_update"), ("died", "hung"))
+        self.calls.append("start")
+        complete = True
+        for bucket in self.buckets:
+            info = {"names": [n for n, _, _ in bucket], "dtype_names": [d for _, d, _ in bucket],
+                    "shapes": [list(s) for _, _, s in bucket]}
+            if self.cuda:
+                shared = self._ranks_each("share_bucket", bucket, owners)
+                info["ipc_handles"] = [{k: v for rank in shared if rank for k, v in rank[j].items()}
+                                       for j in range(len(bucket))]
+            else:
+                self._ranks("write_bucket", bucket)
+            outcomes = self._call(members, "update_weights", info)
+            self.calls.append("update")
+            members = self._keep(members, outcomes, ("died", "hung"))
+            if any(kind == "error" for kind, _ in outcomes) or not members:
+                complete = False
+                break
+        if complete:
+            outcomes = self._call(members, "finish_weight_update", version)
+            self.calls.append(f"finish {version}")
+            members = self._keep(members, outcomes, ("died", "hung"))
+            complete = not any(kind == "error" for kind, _ in outcomes)
+        if self.cuda:
+            self._ranks("release_shared")
+        if not complete:
+            self.broadcasts_failed += 1
+            print("weight sync: the hybrid transfer did not complete; made again to the engines left", flush=True)
+            self.grouped = None
+        return members, complete
+
+    def _ranks_each(self, method: str, bucket: list, owners: set) -> list:
+        return get_all([getattr(a, method).remote(bucket, r in owners)
+                        for r, a in enumerate(self.policy.actors)], self.timeout + 60)
+
+
+def _bucket_bytes(bucket: list) -> int:
+    import math
+
+    from openrlhf_async.rollout.sync_group import DTYPES
+
+    return sum(math.prod(shape) * DTYPES[dtype].itemsize for _, dtype, shape in bucket)
+
+
+def start_hybrid(cfg, model_path: str, group, fleet):
+    """The ranks of the hybrid engine, loaded after its engines (vLLM checks the free device memory as it starts, so
+    the engines come first, as in OpenRLHF): the engines sleep while the ranks load, the ranks' states are offloaded,
+    then the engines wake for the first batch. Returns the PolicyGroup."""
+    import ray
+
+    from openrlhf_async.trainer.policy import PolicyGroup
+
+    engines = list(ray.get(fleet.active.remote()).values())
+    if cfg.vllm.enable_sleep:
+        get_all([e.sleep.remote(1) for e in engines])
+    policy = PolicyGroup(cfg, model_path, group)
+    if cfg.ds.enable_sleep:
+        get_all(policy.call("offload_states"))
+    if cfg.vllm.enable_sleep:
+        get_all([e.wake_up.remote(None) for e in engines])
+    return policy
