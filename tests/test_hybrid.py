@@ -108,6 +108,79 @@ def test_the_shm_transport_loads_each_bucket_as_a_copy_so_the_next_bucket_cannot
         worker.receive_weights(BroadcastUpdateInfo(names=["d"], dtype_names=["float32"], shapes=[[17]]))
 
 
+# ---- the order of a step's calls, with the engines and ranks faked (no Ray) -------------------------------------
+
+def _recording_sync(fail_update_at=None):
+    """A HybridWeightSync over two fake engines and fake ranks recording every call in one list; the engines' update
+    of bucket fail_update_at raises once."""
+    from openrlhf_async.rollout.sync_group import plan_buckets
+    from openrlhf_async.trainer.hybrid import HybridWeightSync
+
+    log, failures = [], [fail_update_at]
+
+    class Recording(HybridWeightSync):
+        def _call(self, members, method, *args):
+            log.append(("engines", method, *args))
+            if method == "update_weights" and failures[0] is not None and sum(
+                    1 for e in log if e[1] == "update_weights") == failures[0] + 1:
+                failures[0] = None
+                return [("error", RuntimeError("update failed"))] + [("ok", None)] * (len(members) - 1)
+            return [("ok", None)] * len(members)
+
+        def _ranks(self, method, *args):
+            log.append(("ranks", method))
+
+        def _connect(self, members):
+            self.bundles, self.grouped = {i: i for i in members}, set(members)
+            return members
+
+    sync = object.__new__(Recording)
+    sync.policy, sync.fleet, sync.tp, sync.cuda, sync.timeout = None, None, 1, False, 1.0
+    sync.engine_sleep = sync.trainer_sleep = True
+    sync.asleep, sync.calls, sync.grouped = False, [], None
+    sync.buckets = plan_buckets([("a", "float32", (4,)), ("b", "float32", (4,)), ("c", "float32", (4,))], 16)
+    sync.members = {0: "engine 0", 1: "engine 1"}
+    sync.version = sync.engine_version = sync.engines_dropped = sync.drain_frozen = sync.broadcasts_failed = 0
+    return sync, log
+
+
+def test_a_hybrid_step_sleeps_reloads_trains_offloads_wakes_the_weights_transfers_finishes_and_wakes_the_cache():
+    sync, log = _recording_sync()
+    sync.to_train()
+    log.append(("ranks", "train"))
+    sync.sync()
+    steps = [(who, method) for who, method, *_ in log]
+    assert steps == [("engines", "sleep"), ("ranks", "reload_states"), ("ranks", "train"),
+                     ("ranks", "offload_states"), ("engines", "wake_up"), ("engines", "start_weight_update"),
+                     *[("ranks", "write_bucket"), ("engines", "update_weights")] * 3,
+                     ("engines", "finish_weight_update"), ("engines", "wake_up")]
+    wakes = [args for who, method, *args in log if method == "wake_up"]
+    assert wakes == [[["weights"]], [["kv_cache"]]], "the weights wake before they are written, the cache after"
+    assert ("engines", "finish_weight_update", 1) in log and sync.version == 1 and not sync.asleep
+    assert sync.calls == ["sleep", "reload", "offload", "wake weights", "start", "update", "update", "update",
+                          "finish 1", "wake kv_cache"]
+
+
+def test_the_version_moves_only_once_every_bucket_arrived_a_failed_transfer_is_made_again_whole():
+    sync, log = _recording_sync(fail_update_at=1)
+    sync.to_train()
+    sync.sync()
+    methods = [method for _, method, *_ in log]
+    first_finish = methods.index("finish_weight_update")
+    assert methods.count("start_weight_update") == 2 and methods.count("finish_weight_update") == 1
+    assert methods[:first_finish].count("update_weights") == 2 + 3, "the failed transfer stopped, then all again"
+    assert sync.broadcasts_failed == 1 and sync.version == 1
+    assert methods[-1] == "wake_up" and not sync.asleep
+
+
+def test_a_step_without_a_sync_wakes_the_engines_whole_on_their_old_weights():
+    sync, log = _recording_sync()
+    sync.to_train()
+    sync.to_generate()
+    assert [m for _, m, *_ in log] == ["sleep", "reload_states", "offload_states", "wake_up"]
+    assert log[-1] == ("engines", "wake_up", None) and sync.version == 0
+
+
 # ---- the session's engines and ranks as a hybrid engine (2 engines on 2 ranks' bundles) ----------------------------
 
 def _spans(handles) -> dict:
