@@ -161,6 +161,12 @@ class _CountingSync:
     def catch_up(self):
         return 0
 
+    def to_train(self):  # the hybrid engine's hand-overs: none here
+        pass
+
+    def to_generate(self):
+        pass
+
     def sync(self, pause_mode):
         time.sleep(0.05)
         self.version, self.engine_version = self.version + 1, self.version + 1

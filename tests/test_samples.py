@@ -202,6 +202,12 @@ class _Sync:
     def catch_up(self):
         return 0
 
+    def to_train(self):  # the hybrid engine's hand-overs: none here
+        pass
+
+    def to_generate(self):
+        pass
+
     def sync(self, pause_mode):
         self.version = self.engine_version = self.version + 1
 
