@@ -1,6 +1,11 @@
 """The hybrid engine (OpenRLHF's colocate_all_models in sync mode): the layouts it accepts and refuses, the order of a
 step's sleep, train, sync and wake, and weights exact after a sync through shared memory."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from conftest import preset_config
@@ -254,28 +259,136 @@ def test_a_hybrid_step_sleeps_trains_and_syncs_by_shared_memory_in_order_and_vll
         weight_sync.version = max(weight_sync.version, hybrid.version)
 
 
-# ---- end to end: the CLI in the hybrid layout (a Ray of its own: runs before the session's stack) ----------------
+# ---- OpenRLHF 0.11's hybrid-engine scripts, with only the module name swapped ----------------------------------------
 
-def test_a_hybrid_run_trains_two_steps_with_engines_sleeping_while_the_policy_trains(tmp_path, tiny_model_path):
-    import json
-    import os
-    import subprocess
-    import sys
+def prorl_v2_flags(model: str, data: str, eval_data: str, reward: str, save: str, scaled: bool) -> list:
+    """OpenRLHF 0.11's examples/scripts/train_prorlv2_math_hybrid_engine.sh in its order; scaled: engines, ranks and
+    sizes for 2 CPU cores (8 engines and 8 ranks -> 2 and 2, batches 512 x 16 -> 4 x 4, lengths 9216/8192 -> 256/48)."""
+    devices, engines = ("2", "2") if scaled else ("8", "8")
+    return ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", devices, "--actor.num_nodes", "1",
+            "--actor.num_gpus_per_node", devices, "--vllm.num_engines", engines, "--vllm.tensor_parallel_size", "1",
+            "--train.colocate_all", "--vllm.gpu_memory_utilization", "0.75", "--algo.kl.init_coef", "1e-4",
+            "--algo.advantage.gamma", "1.0", "--algo.kl.use_loss", "--algo.kl.estimator", "k2",
+            "--algo.advantage.estimator", "reinforce_baseline", "--algo.dynamic_filtering_enable",
+            "--algo.dynamic_filtering_range", "0", "1", "--actor.eps_clip_low_high", "0.2", "0.27",
+            "--actor.model_name_or_path", model, "--reward.remote_url", reward, "--ckpt.output_dir", save,
+            "--ckpt.path", f"{save}/ckpt", "--ckpt.save_steps", "5", "--ckpt.save_hf",
+            "--train.batch_size", "16" if scaled else "1024", "--rollout.batch_size", "4" if scaled else "512",
+            "--rollout.n_samples_per_prompt", "4" if scaled else "16", "--train.dynamic_batch_enable",
+            "--train.num_episodes", "100", "--data.max_len", "256" if scaled else "9216",
+            "--rollout.max_new_tokens", "48" if scaled else "8192", "--ds.zero_stage", "3", "--ds.param_dtype", "bf16",
+            "--actor.adam.lr", "1e-6", "--data.prompt_dataset", data, "--data.input_key", "prompt",
+            "--data.label_key", "label", "--eval.dataset", eval_data, "--eval.steps", "5", "--eval.temperature", "1.0",
+            "--eval.n_samples_per_prompt", "4", "--data.apply_chat_template", "--actor.gradient_checkpointing_enable",
+            "--ds.packing_samples", "--vllm.sync_backend", "nccl", "--vllm.enforce_eager", "--vllm.enable_sleep",
+            "--ds.enable_sleep", "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_threshold",
+            "0.5", "5.0", "--algo.advantage.is_correction_type", "icepop", "--train.max_tokens_per_gpu", "32768",
+            "--reward.stop_properly_penalty_coef", "0.0"]
 
-    from openrlhf_async.config import preset_path
 
-    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
-           "--actor.model_name_or_path", tiny_model_path, *HYBRID, "--rollout.batch_size", "4",
-           "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16", "--rollout.vllm_generate_batch_size", "8",
-           "--train.max_steps", "2", "--eval.steps", "-1", "--runs_dir", str(tmp_path / "runs"),
-           "--run_name", "hybrid", "--no-progress"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": ""})
+def dapo_hybrid_flags(model: str, data: str, reward: str, save: str) -> list:
+    """OpenRLHF 0.11's examples/scripts/train_dapo_ray_hybrid_engine.sh in its order (4 engines of tensor parallel 2
+    on the 8 GPUs of the 8 ranks), for the dry run."""
+    return ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "8", "--actor.num_nodes", "1",
+            "--actor.num_gpus_per_node", "8", "--vllm.num_engines", "4", "--vllm.tensor_parallel_size", "2",
+            "--train.colocate_all", "--vllm.gpu_memory_utilization", "0.6", "--algo.kl.init_coef", "1e-3",
+            "--algo.advantage.gamma", "1.0", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+            "--algo.advantage.estimator", "group_norm", "--algo.dynamic_filtering_enable",
+            "--algo.dynamic_filtering_range", "0", "1", "--actor.eps_clip_low_high", "0.2", "0.27",
+            "--actor.model_name_or_path", model, "--reward.remote_url", reward, "--ckpt.output_dir", save,
+            "--ckpt.path", f"{save}/ckpt", "--ckpt.save_steps", "20", "--ckpt.save_hf", "--train.micro_batch_size", "8",
+            "--train.batch_size", "128", "--rollout.micro_batch_size", "16", "--rollout.batch_size", "128",
+            "--rollout.n_samples_per_prompt", "8", "--train.max_epochs", "1", "--data.max_len", "2048",
+            "--data.max_samples", "20000", "--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--actor.adam.lr", "5e-7",
+            "--data.prompt_dataset", data, "--data.input_key", "context_messages", "--data.apply_chat_template",
+            "--actor.gradient_checkpointing_enable", "--ds.packing_samples", "--vllm.sync_backend", "nccl",
+            "--vllm.enforce_eager", "--vllm.enable_sleep", "--ds.enable_sleep", "--algo.advantage.is_correction_enable"]
+
+
+# The hub models' config.json (tests/model_configs/), so that the dry runs plan their memory offline.
+MODEL_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
+# OpenRLHF's reward_func contract; the reward varies within a group so that the dynamic filter keeps groups.
+REWARD = "def reward_func(queries, prompts, labels, **kwargs):\n    return {'rewards': [float(len(q) % 2) for q in queries]}\n"
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """The scripts' inputs as local files: prompts with labels (8: two steps of 4), messages for DAPO's script, two
+    eval problems, the reward file."""
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for a in range(8):
+            f.write(json.dumps({"prompt": f"{a}+{a + 1}=", "label": str(2 * a + 1),
+                                "context_messages": [{"role": "user", "content": f"{a}+{a + 1}="}]}) + "\n")
+    with open(tmp_path / "aime.jsonl", "w") as f:
+        for a in range(2):
+            f.write(json.dumps({"prompt": f"{a}*3=", "label": str(3 * a)}) + "\n")
+    (tmp_path / "reward_func.py").write_text(REWARD)
+    return tmp_path
+
+
+def _cli(flags: list, cwd, timeout: int):
+    return subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", *flags], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "RAY_ADDRESS": ""})
+
+
+@pytest.mark.parametrize("script", ["prorl_v2", "dapo"])
+def test_openrlhfs_hybrid_scripts_pass_the_dry_run_with_a_memory_plan_of_each_phase_that_fits_80_gb(inputs, script):
+    reward, save = str(inputs / "reward_func.py"), str(inputs / "exp")
+    if script == "prorl_v2":
+        flags = prorl_v2_flags(os.path.join(MODEL_CONFIGS, "DeepSeek-R1-Distill-Qwen-1.5B"),
+                               str(inputs / "prompts.jsonl"), str(inputs / "aime.jsonl"), reward, save, scaled=False)
+    else:
+        flags = dapo_hybrid_flags(os.path.join(MODEL_CONFIGS, "Llama-3-8B"), str(inputs / "prompts.jsonl"), reward,
+                                  save)
+    proc = _cli([*flags, "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"], inputs, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run: configuration valid"), proc.stdout[-2000:]
+    report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])
+    assert report["resources"]["hybrid"] and report["resources"]["gpus"] == 8  # engines on the ranks' 8 GPUs
+    config = report["config"]
+    assert config["mode"] == "sync" and config["vllm"]["enable_sleep"] and config["ds"]["enable_sleep"]
+    plan, device = report["memory_plan"], 80 * 2**30
+    assert plan["params"] == {"prorl_v2": 1_777_088_000, "dapo": 8_030_261_248}[script]
+    phases = plan["hybrid"]
+    # Training holds the trainer's full states and nothing of the sleeping engine; generation the engine's share.
+    assert phases["train"] == plan["trainer_rank"]["total"]
+    assert phases["generate"] >= plan["vllm_engine"]["total"] > phases["transfer"] - phases["generate"]
+    assert phases["peak"] == max(phases["generate"], phases["train"], phases["transfer"]) <= device
+    assert "hybrid engine (engine + rank on one device)" in proc.stderr
+
+
+def test_the_memory_plan_refuses_a_hybrid_engine_whose_engines_do_not_sleep_while_the_trainer_needs_the_device():
+    from openrlhf_async.trainer import memory_plan
+
+    cfg = preset_config(*HYBRID, "--vllm.gpu_memory_utilization", "0.6", "--plan.device_memory_gb", "24",
+                        "--ds.param_dtype", "bf16", "--actor.gradient_checkpointing_enable")
+    cfg.device, cfg.actor.model_name_or_path = "cuda", os.path.join(MODEL_CONFIGS, "DeepSeek-R1-Distill-Qwen-1.5B")
+    phases = memory_plan.for_config(cfg)["hybrid"]  # asleep, the engine's 14.4 GB and the trainer's peak take turns
+    assert max(phases["generate"], phases["train"]) < 24 * 2**30 < phases["generate"] + phases["train"]
+    cfg.vllm.enable_sleep = False  # awake, the engine's share stays beside the trainer's training peak
+    with pytest.raises(ConfigError) as e:
+        memory_plan.for_config(cfg)
+    assert str(e.value).startswith("memory plan: the hybrid engine's train phase needs ") and \
+        str(e.value).endswith("try --vllm.enable_sleep"), str(e.value)
+
+
+# ---- end to end: the ProRL v2 command line, scaled down, on the CLI (a Ray of its own: runs before the session's stack)
+
+def test_openrlhfs_prorl_v2_hybrid_script_trains_two_steps_with_engines_sleeping_while_the_policy_trains(
+        inputs, tiny_model_path):
+    flags = prorl_v2_flags(tiny_model_path, str(inputs / "prompts.jsonl"), str(inputs / "aime.jsonl"),
+                           str(inputs / "reward_func.py"), str(inputs / "exp"), scaled=True)
+    done = _cli([*flags, "--train.max_steps", "2", "--runs_dir", str(inputs / "runs"), "--run_name", "hybrid",
+                 "--no-progress"], inputs, 900)
     assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "hybrid"
+    run_dir = inputs / "runs" / "hybrid"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if m.get("step")]
     assert [m["weight_version"] for m in trained] == [1, 2]
     assert [m["engine_weight_version"] for m in trained] == [1, 2], "the engines did not load each version"
+    assert all(0 < m["timing/sleep_s"] < m["timing/train_s"] + m["timing/sync_s"] for m in trained)
+    assert "eval/mean@4" in metrics[0] and "eval/mean@4" in trained[-1]  # at the start and the end, awake
+    assert (inputs / "exp" / "config.json").is_file()  # --ckpt.save_hf's final model in --ckpt.output_dir
     spans = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
     for step in (1, 2):
         rank0 = sorted((s for s in spans if s["step"] == step and s["actor"] == "rank 0"), key=lambda s: s["start"])

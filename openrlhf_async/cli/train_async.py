@@ -149,7 +149,8 @@ def _memory_summary(plan) -> str:
     from openrlhf_async.trainer.memory_plan import GB
 
     device = plan["device_memory"]
-    return (f"; memory plan: {plan['trainer_rank']['total'] / GB:.1f} GB per trainer rank"
+    shared = f", {plan['hybrid']['peak'] / GB:.1f} GB per device shared with an engine" if plan.get("hybrid") else ""
+    return (f"; memory plan: {plan['trainer_rank']['total'] / GB:.1f} GB per trainer rank{shared}"
             + (f" of {device / GB:.1f} GB" if device else "") + ("" if plan["checked"] else " (not checked)"))
 
 

@@ -15,6 +15,8 @@ every rank gathers each bucket (a ZeRO-3 collective), the version moves at finis
 an engine that fails or hangs on the way is dropped (the fleet restarts one in its bundles) with the transfer made
 again to the others."""
 
+import time
+
 from openrlhf_async.rollout.engine import submit
 from openrlhf_async.trainer.weight_sync import WeightSync, _outcomes
 from openrlhf_async.utils.ray_utils import get_all
@@ -30,6 +32,7 @@ class HybridWeightSync(WeightSync):
         self.engine_sleep, self.trainer_sleep = cfg.vllm.enable_sleep, cfg.ds.enable_sleep
         self.asleep = False  # the engines sleep (to_train) and have not woken yet
         self.calls = []
+        self.handover_s = 0.0  # seconds spent sleeping, waking, offloading and reloading since the last step's record
         self.bundles = {}  # engine id -> its first bundle, the rank it shares devices with
         super().__init__(policy, engines, cfg, fleet)  # maps the members' transfer (_connect)
         if self.trainer_sleep:  # generation comes first: the states wait in host memory
@@ -58,8 +61,26 @@ class HybridWeightSync(WeightSync):
 
     # ---- inside --------------------------------------------------------------------------------------------
 
+    def take_handover_s(self) -> float:
+        """timing/sleep_s: the seconds the step spent handing the devices over (sleep, wake, offload, reload)."""
+        spent, self.handover_s = self.handover_s, 0.0
+        return spent
+
     def _ranks(self, method: str, *args) -> list:
-        return get_all(self.policy.call(method, *args), self.timeout + 60)
+        start = time.perf_counter()
+        try:
+            return get_all(self.policy.call(method, *args), self.timeout + 60)
+        finally:
+            if method in ("offload_states", "reload_states"):
+                self.handover_s += time.perf_counter() - start
+
+    def _call(self, members: dict, method: str, *args) -> list:
+        start = time.perf_counter()
+        try:
+            return super()._call(members, method, *args)
+        finally:
+            if method in ("sleep", "wake_up"):
+                self.handover_s += time.perf_counter() - start
 
     def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
         """Offload, wake the engines' weights, transfer every bucket, finish with the version, wake the KV cache;

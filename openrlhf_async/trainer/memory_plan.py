@@ -5,7 +5,10 @@ would make it fit.
 A trainer rank holds its ZeRO share of the model states (Adam: an fp32 master copy and two fp32 moments, 12 bytes a
 parameter), the frozen reference model where a KL term loads one, and the activations of its largest micro batch.
 A vLLM engine takes --vllm.gpu_memory_utilization of each of its GPUs, whose weights (split by tensor parallelism)
-must fit inside that share. GB here are 2^30 bytes, as torch and nvidia-smi count them."""
+must fit inside that share. In the hybrid engine an engine and a rank share each device, and the plan checks the peak
+of the step's three phases (trainer/hybrid.py): generation (the engine awake beside what the rank keeps), training
+(the rank's peak beside what a sleeping engine keeps) and the weight transfer (the engine's weights, what the rank
+keeps, and one gathered bucket). GB here are 2^30 bytes, as torch and nvidia-smi count them."""
 
 import dataclasses
 import functools
@@ -74,6 +77,10 @@ class Setup:
     gpu_memory_utilization: float
     cpu_kvcache_gb: float
     device: str
+    hybrid: bool = False  # an engine shares each rank's device (--train.colocate_all in sync mode)
+    engine_sleep: bool = False  # --vllm.enable_sleep: the engine's weights and KV cache leave the device to train
+    trainer_sleep: bool = False  # --ds.enable_sleep: the rank's gradients and optimizer leave it to generate
+    bucket_bytes: int = 0  # --train.weight_sync_bucket_mb
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -93,7 +100,9 @@ def setup_of(cfg) -> Setup:
                  masked=attn_implementation(cfg.ds.attn_implementation, cfg.device) == "sdpa",
                  tensor_parallel=cfg.vllm.tensor_parallel_size,
                  gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-                 cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device)
+                 cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device, hybrid=cfg.hybrid,
+                 engine_sleep=cfg.vllm.enable_sleep, trainer_sleep=cfg.ds.enable_sleep,
+                 bucket_bytes=cfg.train.weight_sync_bucket_mb * 2**20)
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:
@@ -164,12 +173,30 @@ def engine_bytes(m: ModelShape, s: Setup, device_bytes) -> dict:
             "kv_cache": int(share - weights) if share else None}
 
 
+def hybrid_bytes(rank: dict, engine: dict, s: Setup) -> dict:
+    """One device of the hybrid engine, by phase of the step. The rank keeps its weights and the frozen reference
+    model throughout; its gradients, optimizer and buffers too unless --ds.enable_sleep offloads them (DeepSpeed's
+    offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
+    keeps nothing that counts; an engine that does not sleep keeps its whole share."""
+    offloaded = s.trainer_sleep and not s.adam_offload
+    kept = rank["weights"] + rank["reference"] + (
+        0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
+    awake = engine["total"] or 0
+    phases = {"generate": awake + kept,
+              "train": rank["total"] + (0 if s.engine_sleep else awake),
+              "transfer": (engine["weights"] if s.engine_sleep else awake) + kept + s.bucket_bytes}
+    return {**phases, "peak": max(phases.values())}
+
+
 def plan(m: ModelShape, s: Setup, device_bytes, checked: bool) -> dict:
-    """The rank's and the engine's estimates against the device's memory; checked: whether a miss refuses the
-    run (see device_memory)."""
+    """The rank's and the engine's estimates against the device's memory (in the hybrid engine also the shared
+    device's phases); checked: whether a miss refuses the run (see device_memory)."""
     rank, engine = rank_bytes(m, s), engine_bytes(m, s, device_bytes)
-    return {"params": m.params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
-            "vllm_engine": engine, "setup": dataclasses.asdict(s)}
+    p = {"params": m.params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
+         "vllm_engine": engine, "setup": dataclasses.asdict(s)}
+    if s.hybrid and s.device == "cuda":
+        p["hybrid"] = hybrid_bytes(rank, engine, s)
+    return p
 
 
 def _fits(m: ModelShape, s: Setup, device_bytes) -> bool:
@@ -228,6 +255,15 @@ def refusal(p: dict, m: ModelShape, s: Setup, dynamic: bool, longest: int):
         return (f"memory plan: a vLLM engine's weights need {engine['weights'] / GB:.1f} GB of its "
                 f"{engine['total'] / GB:.1f} GB share; raise --vllm.tensor_parallel_size or "
                 "--vllm.gpu_memory_utilization")
+    shared = p.get("hybrid")
+    if shared and shared["peak"] > device:
+        phase = max(("generate", "train", "transfer"), key=shared.get)
+        fixes = {"generate": "--ds.enable_sleep, or a lower --vllm.gpu_memory_utilization",
+                 "train": "--vllm.enable_sleep", "transfer": "a lower --train.weight_sync_bucket_mb"}[phase]
+        if phase == "train" and s.engine_sleep:
+            fixes = "a lower --vllm.gpu_memory_utilization"
+        return (f"memory plan: the hybrid engine's {phase} phase needs {shared['peak'] / GB:.1f} GB of "
+                f"{device / GB:.1f} GB on each device (the engine and the trainer rank share it); try {fixes}")
     return None
 
 
@@ -241,6 +277,9 @@ def table(p: dict) -> str:
             + f" -> {gb(r['total'])} GB",
             "  vLLM engine (per GPU): " + ", ".join(f"{k} {gb(v)}" for k, v in e.items() if k != "total")
             + f" -> {gb(e['total'])} GB"]
+    if p.get("hybrid"):
+        rows.append("  hybrid engine (engine + rank on one device): " + ", ".join(
+            f"{k} {gb(v)}" for k, v in p["hybrid"].items() if k != "peak") + f" -> peak {gb(p['hybrid']['peak'])} GB")
     return "\n".join(rows)
 
 

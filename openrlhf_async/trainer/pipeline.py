@@ -389,7 +389,10 @@ class TrainingActor:
         """The step's phases as the trainer's timeline recorded them, and where the weight versions stand."""
         wait, train = self.timeline.last["wait"], self.timeline.last["train"]
         sync = self.timeline.last["sync"] if synced else 0.0
-        return {"trainer/idle_ratio": wait / max(1e-9, wait + train + sync), "queue/depth": depth,
+        # The hybrid engine: of those, the seconds spent handing the devices over (engines asleep and awake again,
+        # the trainer's states offloaded and back).
+        handover = {"timing/sleep_s": self.weight_sync.take_handover_s()} if self.cfg.hybrid else {}
+        return {"trainer/idle_ratio": wait / max(1e-9, wait + train + sync), "queue/depth": depth, **handover,
                 "timing/wait_s": wait, "timing/train_s": train, "timing/sync_s": sync,
                 "weight_version": self.weight_sync.version, "engine_weight_version": self.weight_sync.engine_version,
                 "rollout/engines_alive": len(self.weight_sync.engines), **self._fleet_metrics()}
