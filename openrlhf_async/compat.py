@@ -69,7 +69,8 @@ RENAMED = {
     "generate_max_len": "rollout.max_new_tokens",
 }
 # Switches that became a flag with a value (OpenRLHF 0.8.x).
-SWITCHES = {"bf16": ("ds.param_dtype", "bf16"), "flash_attn": ("ds.attn_implementation", "flash_attention_2")}
+SWITCHES = {"bf16": ("ds.param_dtype", "bf16"), "flash_attn": ("ds.attn_implementation", "flash_attention_2"),
+            "use_kl_estimator_k3": ("algo.kl.estimator", "k3")}  # 0.5-0.8's KL switch, before --kl_estimator
 # Flags OpenRLHF dropped, whose feature does not exist any more.
 DROPPED = ("perf", "actor_init_on_gpu", "ptx_coef")
 # The importance-sampling correction before 0.11.2: a switch and a type, today a level and a mode.
