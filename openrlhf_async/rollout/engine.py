@@ -251,10 +251,11 @@ class LLMRayActorAsync:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         names, dtypes, shapes = (list(column) for column in zip(*named_shapes))
-        await self.engine.start_weight_update()
-        await self.engine.update_weights(WeightTransferUpdateRequest(
-            update_info={"names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes]}))
-        await self.engine.finish_weight_update(str(version))
+        with self.timeline.span("load"):  # as in the hybrid engine's start_weight_update .. finish_weight_update
+            await self.engine.start_weight_update()
+            await self.engine.update_weights(WeightTransferUpdateRequest(
+                update_info={"names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes]}))
+            await self.engine.finish_weight_update(str(version))
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._mark_versions(version)
         self.weight_version = version
