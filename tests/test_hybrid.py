@@ -115,9 +115,10 @@ def test_the_shm_transport_loads_each_bucket_as_a_copy_so_the_next_bucket_cannot
 
 # ---- the order of a step's calls, with the engines and ranks faked (no Ray) -------------------------------------
 
-def _recording_sync(fail_update_at=None):
-    """A HybridWeightSync over two fake engines and fake ranks recording every call in one list; the engines' update
-    of bucket fail_update_at raises once."""
+def _recording_sync(fail_update_at=None, cuda=False, tp=1):
+    """A HybridWeightSync over two fake engines and fake ranks (tp each) recording every call in one list; the
+    engines' update of bucket fail_update_at raises once. On cuda each rank beside an engine's worker shares its
+    GPU's handles, named by its rank."""
     from openrlhf_async.rollout.sync_group import plan_buckets
     from openrlhf_async.trainer.hybrid import HybridWeightSync
 
@@ -136,11 +137,16 @@ def _recording_sync(fail_update_at=None):
             log.append(("ranks", method))
 
         def _connect(self, members):
-            self.bundles, self.grouped = {i: i for i in members}, set(members)
+            self.bundles, self.grouped = {i: i * tp for i in members}, set(members)
             return members
 
+        def _ranks_each(self, method, bucket, owners):
+            log.append(("ranks", method, sorted(owners)))
+            return [[{f"gpu{r}": ("handle", name)} for name, _, _ in bucket] if r in owners else None
+                    for r in range(2 * tp)]
+
     sync = object.__new__(Recording)
-    sync.policy, sync.fleet, sync.tp, sync.cuda, sync.timeout = None, None, 1, False, 1.0
+    sync.policy, sync.fleet, sync.tp, sync.cuda, sync.timeout = None, None, tp, cuda, 1.0
     sync.engine_sleep = sync.trainer_sleep = True
     sync.asleep, sync.calls, sync.grouped = False, [], None
     sync.buckets = plan_buckets([("a", "float32", (4,)), ("b", "float32", (4,)), ("c", "float32", (4,))], 16)
@@ -176,6 +182,19 @@ def test_the_version_moves_only_once_every_bucket_arrived_a_failed_transfer_is_m
     assert methods[:first_finish].count("update_weights") == 2 + 3, "the failed transfer stopped, then all again"
     assert sync.broadcasts_failed == 1 and sync.version == 1
     assert methods[-1] == "wake_up" and not sync.asleep
+
+
+def test_on_cuda_each_tensor_parallel_worker_gets_the_handles_of_the_rank_on_its_own_gpu():
+    """Two engines of tensor parallel 2 on four ranks' GPUs: every rank shares each bucket, and each parameter's
+    handles name all four GPUs, so every worker finds its own (vLLM's IPC engine looks up its GPU's UUID)."""
+    sync, log = _recording_sync(cuda=True, tp=2)
+    sync.to_train()
+    sync.sync()
+    assert [args for who, method, *args in log if method == "share_bucket"] == [[[0, 1, 2, 3]]] * 3
+    updates = [args[0] for who, method, *args in log if method == "update_weights"]
+    assert [u["names"] for u in updates] == [["a"], ["b"], ["c"]]
+    assert updates[0]["ipc_handles"] == [{f"gpu{r}": ("handle", "a") for r in range(4)}]
+    assert ("ranks", "release_shared") in log and sync.version == 1
 
 
 def test_a_step_without_a_sync_wakes_the_engines_whole_on_their_old_weights():

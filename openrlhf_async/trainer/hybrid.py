@@ -138,7 +138,9 @@ class HybridWeightSync(WeightSync):
 
     def _send(self, members: dict, version: int) -> tuple:
         """One transfer, bucket by bucket: (the engines that got every bucket, whether all did)."""
-        owners = {self.bundles[i] for i in members}
+        # cuda: each of an engine's tensor-parallel workers takes the handles of the rank on its own GPU (bundles
+        # first .. first + TP - 1), every rank here being one of them; cpu: one file per engine, by its first rank.
+        owners = {self.bundles[i] + k for i in members for k in range(self.tp if self.cuda else 1)}
         members = self._keep(members, self._call(members, "start_weight_update"), ("died", "hung"))
         self.calls.append("start")
         complete = True
