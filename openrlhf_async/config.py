@@ -577,14 +577,19 @@ class DSConfig:
                                            "inside each sample (position ids restart per sample)", openrlhf="same")
     use_universal_ckpt: bool = setting(False, "DeepSpeed universal checkpoints",
                                        openrlhf="no effect: checkpoints resume with the same number of ranks")
-    load_in_4bit: bool = setting(False, "QLoRA 4-bit base weights", openrlhf="refused: LoRA/QLoRA is not built")
-    lora_rank: int = setting(0, "LoRA rank; 0: full fine-tuning", flag="ds.lora.rank",
-                             openrlhf="refused: LoRA is not built")
-    lora_alpha: int = setting(16, "LoRA alpha", flag="ds.lora.alpha", openrlhf="no effect: LoRA is not built")
-    lora_dropout: float = setting(0.0, "LoRA dropout", flag="ds.lora.dropout", openrlhf="no effect: LoRA is not built")
-    lora_target_modules: Optional[tuple] = setting("all-linear", "LoRA target modules", type=str, nargs="*",
-                                                   flag="ds.lora.target_modules",
-                                                   openrlhf="no effect: LoRA is not built")
+    load_in_4bit: bool = setting(False, "QLoRA 4-bit base weights",
+                                 openrlhf="refused: QLoRA needs bitsandbytes' CUDA kernels; on cpu it cannot run, "
+                                          "on cuda it is not built yet (LoRA on the full-precision base is)")
+    lora_rank: int = setting(0, "LoRA rank (peft, the adapter alone trains; the engines get the merged weights); 0: "
+                                "full fine-tuning", flag="ds.lora.rank", range=">= 0", openrlhf="same")
+    lora_alpha: int = setting(16, "LoRA alpha (the adapter's scale is alpha / rank)", flag="ds.lora.alpha",
+                              range="> 0", openrlhf="same")
+    lora_dropout: float = setting(0.0, "LoRA dropout", flag="ds.lora.dropout", range="[0, 1)", openrlhf="same")
+    lora_target_modules: Optional[tuple] = setting("all-linear", "LoRA target modules: module names, or all-linear "
+                                                   "(every linear layer but the output head)", type=str, nargs="*",
+                                                   flag="ds.lora.target_modules", openrlhf="same")
+    lora_save_merged: bool = setting(False, "with LoRA, also save the merged model beside the adapter in the final "
+                                            "folder (<folder>/merged)", flag="ds.lora.save_merged")
     value_head_prefix: str = setting("score", "value head name of a critic or reward model", openrlhf=_NO_CRITIC)
 
 
@@ -929,6 +934,7 @@ def validate(cfg: Config) -> Config:
     _validate_algo(cfg)
     _validate_model(cfg)
     _validate_deepspeed(cfg)
+    _validate_lora(cfg)
     _validate_reward_and_eval(cfg)
     _validate_pipeline(cfg)
     _validate_logger(cfg)
@@ -1194,6 +1200,26 @@ def _validate_model(cfg: Config) -> None:
         cfg.data.max_len = positions
     if cfg.device == "cpu" and cfg.ds.param_dtype == "fp16":
         raise ConfigError("--ds.param_dtype fp16 does not train on cpu; use bf16 or fp32")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """LoRA (peft) on the trainer, with OpenRLHF's flags (QLoRA, --ds.load_in_4bit, is refused with the others)."""
+    d = cfg.ds
+    if list(d.lora_target_modules or []) in (["all-linear"], []):
+        d.lora_target_modules = "all-linear"  # peft's shorthand, a string (a list would name a module all-linear)
+    if not d.lora_rank:
+        if d.lora_save_merged:
+            notice("--ds.lora.save_merged has no effect without --ds.lora.rank")
+        return
+    heads = {"lm_head", "embed_tokens"} & set([d.lora_target_modules] if isinstance(d.lora_target_modules, str)
+                                              else d.lora_target_modules)
+    if heads:
+        raise ConfigError(f"--ds.lora.target_modules {' '.join(sorted(heads))}: an adapter on the embeddings or the "
+                          "output head would untie them from each other where the model ties them; target the "
+                          "decoder's linear layers (all-linear)")
+    if cfg.ref.offload and cfg.algo.kl_init_coef > 0:
+        notice("--ref.offload has no effect with --ds.lora.rank: the reference model is the policy with its adapter "
+               "disabled (no second copy)")
 
 
 def _validate_deepspeed(cfg: Config) -> None:

@@ -679,6 +679,7 @@ class _Sync:
     def __init__(self):
         self.engines, self.version, self.engine_version, self.fleet, self.engines_dropped = [], 0, 0, None, 0
         self.drain_frozen = self.broadcasts_failed = 0  # counters the trainer reads
+        self.check = False  # no probe check (LoRA only)
 
     def catch_up(self):
         return 0

@@ -148,7 +148,7 @@ def _recording_sync(fail_update_at=None, cuda=False, tp=1):
     sync = object.__new__(Recording)
     sync.policy, sync.fleet, sync.tp, sync.cuda, sync.timeout = None, None, tp, cuda, 1.0
     sync.engine_sleep = sync.trainer_sleep = True
-    sync.asleep, sync.calls, sync.grouped = False, [], None
+    sync.asleep, sync.calls, sync.grouped, sync.check = False, [], None, False
     sync.buckets = plan_buckets([("a", "float32", (4,)), ("b", "float32", (4,)), ("c", "float32", (4,))], 16)
     sync.members = {0: "engine 0", 1: "engine 1"}
     sync.version = sync.engine_version = sync.engines_dropped = sync.drain_frozen = sync.broadcasts_failed = 0

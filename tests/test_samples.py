@@ -198,6 +198,7 @@ class _ListQueue:
 
 class _Sync:
     engines, version, engine_version, fleet, engines_dropped, drain_frozen, broadcasts_failed = [], 0, 0, None, 0, 0, 0
+    check = False  # no probe check (LoRA only)
 
     def catch_up(self):
         return 0

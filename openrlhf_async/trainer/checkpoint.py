@@ -66,7 +66,7 @@ def earlier_records(cfg) -> list:
     """The names of an earlier run's records that a fresh run with this config would replace: files in the run
     folder and the final model folder (--ckpt.output_dir when it holds a model)."""
     found = [name for name in RECORDS if os.path.exists(os.path.join(cfg.run_dir, name))]
-    if os.path.isfile(os.path.join(cfg.output_dir, "config.json")):
+    if any(os.path.isfile(os.path.join(cfg.output_dir, f)) for f in ("config.json", "adapter_config.json")):
         found.append(cfg.output_dir)
     return found
 

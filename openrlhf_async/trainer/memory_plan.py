@@ -51,6 +51,16 @@ class ModelShape:
         attention = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim * self.qk_norm
 
+    def lora_params(self, rank: int, targets) -> int:
+        """The adapter's parameters: rank x (in + out) per adapted linear layer (all-linear: every linear layer of
+        the decoder; else those named)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        linear = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                  "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+                  "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        names = linear if targets == "all-linear" else [t for t in targets if t in linear]
+        return self.layers * sum(rank * sum(linear[n]) for n in names)
+
     @property
     def params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
@@ -81,6 +91,8 @@ class Setup:
     engine_sleep: bool = False  # --vllm.enable_sleep: the engine's weights and KV cache leave the device to train
     trainer_sleep: bool = False  # --ds.enable_sleep: the rank's gradients and optimizer leave it to generate
     bucket_bytes: int = 0  # --train.weight_sync_bucket_mb
+    lora_rank: int = 0  # --ds.lora.rank: the adapter alone has gradients and optimizer states; no second model
+    lora_targets: object = "all-linear"
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -102,7 +114,8 @@ def setup_of(cfg) -> Setup:
                  gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                  cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device, hybrid=cfg.hybrid,
                  engine_sleep=cfg.vllm.enable_sleep, trainer_sleep=cfg.ds.enable_sleep,
-                 bucket_bytes=cfg.train.weight_sync_bucket_mb * 2**20)
+                 bucket_bytes=cfg.train.weight_sync_bucket_mb * 2**20, lora_rank=cfg.ds.lora_rank,
+                 lora_targets=cfg.ds.lora_target_modules)
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:
@@ -131,7 +144,9 @@ def mask_bytes(s: Setup, tokens: int) -> int:
 def rank_bytes(m: ModelShape, s: Setup) -> dict:
     """A trainer rank's peak, by part (bytes)."""
     P, N, z, b = m.params, s.ranks, s.zero_stage, s.dtype_bytes
-    weights = b * P / (N if z == 3 else 1)
+    trained = m.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank else P
+    weights = b * (P + trained * bool(s.lora_rank)) / (N if z == 3 else 1)
+    P = trained  # what has gradients and optimizer states
     grads = b * P / (N if z >= 2 else 1)
     if z == 0 and b == 4:  # torch's AdamW steps the fp32 weights themselves: two moments
         optimizer = 8 * P
@@ -143,7 +158,8 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
     buffers = b * min(REDUCE_BUCKET, P) if z >= 1 else 0
     if z == 3:  # gathered parameters in flight: the module being run and the one prefetched
         buffers += 2 * b * max(m.layer_params, m.vocab * m.hidden)
-    reference = 0 if not s.reference or (z == 3 and s.ref_offload) else b * P / (N if z == 3 else 1)
+    reference = 0 if not s.reference or s.lora_rank or (z == 3 and s.ref_offload) else b * m.params / (
+        N if z == 3 else 1)
     layer = layer_activation_bytes(m, b)
     T = s.train_tokens
     # Checkpointing keeps each layer's input and recomputes one layer at a time in the backward pass.

@@ -392,6 +392,9 @@ class TrainingActor:
         # The hybrid engine: of those, the seconds spent handing the devices over (engines asleep and awake again,
         # the trainer's states offloaded and back).
         handover = {"timing/sleep_s": self.weight_sync.take_handover_s()} if self.cfg.hybrid else {}
+        if synced and self.weight_sync.check:  # LoRA: the engines' probe log-probs against the trainer's
+            handover.update({"sync/probe_logprob_diff": self.weight_sync.probe_diff,
+                             "sync/probe_adapter_effect": self.weight_sync.probe_adapter_effect})
         return {"trainer/idle_ratio": wait / max(1e-9, wait + train + sync), "queue/depth": depth, **handover,
                 "timing/wait_s": wait, "timing/train_s": train, "timing/sync_s": sync,
                 "weight_version": self.weight_sync.version, "engine_weight_version": self.weight_sync.engine_version,

@@ -4,6 +4,7 @@ penalty, in a DeepSpeed config of its own (frozen_model_config).
 
 Rank 0 also owns the sender side of the weight-sync group into the vLLM engines."""
 
+import contextlib
 import math
 import os
 
@@ -22,6 +23,8 @@ from openrlhf_async.utils.ray_utils import get_all
 from openrlhf_async.utils.timeline import Timeline
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The probe a weight sync checks the engines with: the engines' greedy continuation of each, scored by the trainer.
+PROBE_TEXTS = ("The capital of France is", "12 + 30 =")
 
 
 def _node_address() -> tuple:
@@ -123,6 +126,50 @@ def _build_model(model_path, load: dict):
     return AutoModelForCausalLM.from_pretrained(model_path, **load)
 
 
+def _with_adapter(model, lora: dict, checkpointing: bool):
+    """The model with a LoRA adapter (peft) on lora["target_modules"]: only the adapter trains. Its B starts at zero,
+    so the wrapped model is the base model until the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    if checkpointing:  # the frozen embeddings' output must require grad, or checkpointed layers pass none back
+        model.enable_input_require_grads()
+    config = LoraConfig(task_type="CAUSAL_LM", r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                        target_modules=lora["target_modules"], bias="none")
+    # The adapter in the base's dtype: DeepSpeed keeps one dtype per engine (and its fp32 master copies).
+    return get_peft_model(model, config, autocast_adapter_dtype=False)
+
+
+def weight_sources(module, lora: bool) -> list:
+    """What the engines load, in the module's order: (the name vLLM knows, the parameters its value is made of, the
+    adapter's scaling). Without LoRA, each parameter as it is. With LoRA, the base model's names, and an adapted
+    layer's weight merged: W + scaling x B @ A (computed apart, nothing merged in place: under ZeRO-3 W is a
+    partition)."""
+    if not lora:
+        return [(name, [p], None) for name, p in module.named_parameters()]
+    base = module.get_base_model()
+    layers = dict(base.named_modules())
+    sources = []
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            layer = layers[name[: -len(".base_layer.weight")]]
+            sources.append((name.replace(".base_layer", ""),
+                            [p, layer.lora_A["default"].weight, layer.lora_B["default"].weight],
+                            layer.scaling["default"]))
+        else:
+            sources.append((name.replace(".base_layer", ""), [p], None))
+    return sources
+
+
+def source_value(params: list, scaling) -> torch.Tensor:
+    """A weight as the engines load it, from its (gathered) parameters (weight_sources)."""
+    if scaling is None:
+        return params[0].data
+    weight, a, b = (t.data for t in params)
+    return (weight.float() + (b.float() @ a.float()) * scaling).to(weight.dtype)
+
+
 def batch_totals(samples: list) -> dict:
     """The batch's response tokens the model wrote and its sequences with any: what the loss is averaged over."""
     masks = [s.get("action_mask", [1] * len(s["response_ids"])) for s in samples]
@@ -162,26 +209,33 @@ class PolicyActor:
         policy = _build_model(model_path, load)
         if model["gradient_checkpointing"]:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
+        self.lora = bool(ds.get("lora"))
+        if self.lora:
+            policy = _with_adapter(policy, ds["lora"], model["gradient_checkpointing"])
+        trainable = [p for p in policy.parameters() if p.requires_grad]
         adam = dict(lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"])
         if ds["adam_offload"]:  # ZeRO-Offload steps the optimizer on the CPU: DeepSpeed's own CPU Adam (AdamW)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(policy.parameters(), adamw_mode=True, **adam)
+            optimizer = DeepSpeedCPUAdam(trainable, adamw_mode=True, **adam)
         elif ds.get("enable_sleep") and self.zero_stage == 3 and model["device"] == "cuda":
             # DeepSpeed offloads ZeRO-3 optimizer states of its FusedAdam only (stage3.offload_states), as OpenRLHF
             # builds it for the hybrid engine.
             from deepspeed.ops.adam import FusedAdam
 
-            optimizer = FusedAdam(policy.parameters(), adam_w_mode=True, **adam)
+            optimizer = FusedAdam(trainable, adam_w_mode=True, **adam)
         else:
-            optimizer = torch.optim.AdamW(policy.parameters(), **adam)
+            optimizer = torch.optim.AdamW(trainable, **adam)
         total = max(1, optim["total_steps"])
         extra = {"min_lr_rate": optim["min_lr_ratio"]} if optim["scheduler"] == "cosine_with_min_lr" else {}
         scheduler = get_scheduler(optim["scheduler"], optimizer, num_warmup_steps=math.ceil(optim["warmup_ratio"] * total),
                                   num_training_steps=total, scheduler_specific_kwargs=extra)
         self.engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config)
-        self.reference = self._load_reference(model_path, load, frozen_model_config(ds)) if reference else None
+        # With LoRA the reference model is the policy with its adapter disabled: no second copy of the weights.
+        self.reference = (self._load_reference(model_path, load, frozen_model_config(ds))
+                          if reference and not self.lora else None)
+        self.sources = weight_sources(self.engine.module, self.lora)
         self.model_path = model_path
         self.sync_group = None
         self.adam_offload, self.offloaded = ds["adam_offload"], False
@@ -310,8 +364,9 @@ class PolicyActor:
     def logprobs(self, micro_batches: list, temperature: float, layout: dict, reference: bool = False) -> list:
         """Each sample's log-probs at its response positions (observations too) under the current weights, or the
         reference model's; per micro batch, a list per sample. Every rank runs as many micro batches (ZeRO-3)."""
-        model = self.reference if reference else self.engine
-        with self.timeline.span("train"):
+        model = self.reference if reference and not self.lora else self.engine
+        adapter_off = self.engine.module.disable_adapter() if reference and self.lora else contextlib.nullcontext()
+        with self.timeline.span("train"), adapter_off:
             model.eval()
             out = []
             for micro in micro_batches:
@@ -321,13 +376,16 @@ class PolicyActor:
             return out
 
     @torch.no_grad()
-    def forward_logprobs(self, samples: list, temperature: float = 1.0) -> list:
-        """Per-response-token logprobs and greedy (argmax) tokens under the current weights, from padded rows and
-        whole logits (the reference the other layouts are checked against).
-        Under ZeRO-3 every rank must call this with the same samples (parameters are gathered collectively)."""
+    def forward_logprobs(self, samples: list, temperature: float = 1.0, adapter: bool = True) -> list:
+        """Per-response-token logprobs and greedy (argmax) tokens under the current weights (adapter False: with the
+        LoRA adapter disabled), from padded rows and whole logits (the reference the other layouts are checked
+        against). Under ZeRO-3 every rank must call this with the same samples (parameters are gathered
+        collectively)."""
         self.engine.eval()
         inputs = Layout.of(samples, packed=False).to(self._device())
-        logits = self.engine(input_ids=inputs.ids, attention_mask=inputs.attention_mask).logits[:, :-1]
+        off = self.engine.module.disable_adapter() if self.lora and not adapter else contextlib.nullcontext()
+        with off:
+            logits = self.engine(input_ids=inputs.ids, attention_mask=inputs.attention_mask).logits[:, :-1]
         logp = token_logprobs(logits, inputs.ids[:, 1:], temperature)
         greedy = logits.argmax(-1)
         mask = self._targets(samples)["mask"]
@@ -345,8 +403,28 @@ class PolicyActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def named_shapes(self) -> list:
-        dtype = str(next(self.engine.module.parameters()).dtype).replace("torch.", "")
-        return [(n, dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()]
+        """[(name, dtype, shape)] of what the engines load (weight_sources), in order."""
+        return [(name, str(params[0].dtype).replace("torch.", ""), tuple(getattr(params[0], "ds_shape", params[0].shape)))
+                for name, params, _ in self.sources]
+
+    @contextlib.contextmanager
+    def _gathered(self, names: list):
+        """The named weights' sources gathered (a collective over the ZeRO-3 ranks: every rank enters with the same
+        names); yields a function returning their values as the engines load them."""
+        import deepspeed
+
+        by_name = {name: (params, scaling) for name, params, scaling in self.sources}
+        chosen = [by_name[n] for n in names]
+        with deepspeed.zero.GatheredParameters([p for params, _ in chosen for p in params],
+                                               enabled=self.zero_stage == 3):
+            yield lambda: [source_value(params, scaling) for params, scaling in chosen]
+
+    def probe_ids(self) -> list:
+        """The token ids of the fixed probe text the weight sync checks the engines with (trainer/weight_sync.py)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return [tokenizer(text)["input_ids"] for text in PROBE_TEXTS]
 
     def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         if self.rank != 0:
@@ -363,15 +441,12 @@ class PolicyActor:
         Returns whether every broadcast completed (not merely started: NCCL's wait does not block): when one fails
         (an engine died or hangs), rank 0 stops broadcasting but keeps gathering with the other ranks, so the
         trainer's own collectives stay in step, and the group is aborted."""
-        import deepspeed
-
-        params, ok = dict(self.engine.module.named_parameters()), True
+        ok = True
         with self.timeline.span("sync"):
             for bucket in buckets:
-                tensors = [params[name] for name, _, _ in bucket]
-                with deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
+                with self._gathered([name for name, _, _ in bucket]) as values:
                     if self.rank == 0 and ok:
-                        flat = torch.cat([t.data.reshape(-1) for t in tensors])
+                        flat = torch.cat([t.reshape(-1) for t in values()])
                         ok = self._sync_step(self.sync_group.broadcast, flat)
             if self.rank == 0 and ok:
                 ok = self._sync_step(self.sync_group.complete)
@@ -443,16 +518,12 @@ class PolicyActor:
     def write_bucket(self, bucket: list) -> bool:
         """Gather one bucket's parameters (collective over the ZeRO-3 ranks) and, on a rank with a weight file, write
         them there flat, for its engine's update_weights."""
-        import deepspeed
-
-        params = dict(self.engine.module.named_parameters())
-        tensors = [params[name] for name, _, _ in bucket]
-        with self.timeline.span("sync"), deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
+        with self.timeline.span("sync"), self._gathered([name for name, _, _ in bucket]) as values:
             if self.weight_file is not None:
                 flat = self.weight_file[1]
                 offset = 0
-                for t in tensors:
-                    data = t.data.reshape(-1)
+                for t in values():
+                    data = t.reshape(-1)
                     size = data.numel() * data.element_size()
                     flat[offset : offset + size].view(data.dtype).copy_(data)
                     offset += size
@@ -462,16 +533,13 @@ class PolicyActor:
         """cuda: gather one bucket's parameters and, on a rank with an engine on its GPU, copy them into tensors kept
         until release_shared, exported as CUDA IPC handles: per parameter {this GPU's UUID: rebuild args}, the form of
         vLLM's IPC weight-transfer engine. Not run here (no GPU in this project's CI)."""
-        import deepspeed
         from torch.multiprocessing.reductions import reduce_tensor
 
-        params = dict(self.engine.module.named_parameters())
-        tensors = [params[name] for name, _, _ in bucket]
         handles = None
-        with self.timeline.span("sync"), deepspeed.zero.GatheredParameters(tensors, enabled=self.zero_stage == 3):
+        with self.timeline.span("sync"), self._gathered([name for name, _, _ in bucket]) as values:
             if owner:
                 uuid = str(torch.cuda.get_device_properties(self._device()).uuid)
-                kept = [t.data.detach().clone() for t in tensors]
+                kept = [t.detach().clone() for t in values()]
                 self.held = (self.held or []) + kept  # the engine reads them until its finish_weight_update
                 handles = [{uuid: reduce_tensor(t)[1]} for t in kept]
         return handles
@@ -482,6 +550,12 @@ class PolicyActor:
             torch.cuda.ipc_collect()
 
     def read_weight(self, name: str) -> torch.Tensor:
+        """A weight as the engines load it (with LoRA: the base's name, merged), gathered: a collective."""
+        with self._gathered([name]) as values:
+            return values()[0].detach().float().cpu().clone()
+
+    def read_parameter(self, name: str) -> torch.Tensor:
+        """A parameter of the trained module by its own name (with LoRA: peft's, e.g. ...lora_B.default.weight)."""
         import deepspeed
 
         param = dict(self.engine.module.named_parameters())[name]
@@ -493,29 +567,43 @@ class PolicyActor:
     def save_checkpoint(self, path: str) -> None:
         """This rank's DeepSpeed state (its ZeRO shards of weights and optimizer) and torch random state."""
         with self.timeline.span("checkpoint"):
+            # With LoRA the frozen base is left out: it comes from the model's files at every start.
             self.engine.save_checkpoint(path, tag="deepspeed", client_state={"torch_rng": torch.get_rng_state()},
-                                        save_latest=False)
+                                        save_latest=False, exclude_frozen_parameters=self.lora)
 
     def load_checkpoint(self, path: str) -> None:
-        loaded, client_state = self.engine.load_checkpoint(path, tag="deepspeed")
+        loaded, client_state = self.engine.load_checkpoint(path, tag="deepspeed", load_module_strict=not self.lora)
         if loaded is None:
             raise RuntimeError(f"rank {self.rank}: no DeepSpeed state in {path}")
         torch.set_rng_state(client_state["torch_rng"])
 
-    def save_hf(self, path: str) -> None:
-        """Save an HF-format checkpoint (config, full weights, tokenizer) from rank 0."""
+    def save_hf(self, path: str, merged: bool = False) -> None:
+        """Save an HF-format checkpoint (config, full weights, tokenizer) from rank 0. With LoRA: the adapter in
+        peft's format (adapter_config.json naming the base, adapter_model.safetensors) and the tokenizer; merged:
+        also the merged model in path/merged."""
         import deepspeed
         from transformers import AutoTokenizer
 
         model = self.engine.module
         state = {}
         for name, param in model.named_parameters():
+            if self.lora and not param.requires_grad:
+                continue
             with deepspeed.zero.GatheredParameters([param], enabled=self.zero_stage == 3):
                 if self.rank == 0:
                     state[name] = param.data.detach().cpu().clone()
         if self.rank == 0:
             model.save_pretrained(path, state_dict=state)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        if self.lora and merged:
+            whole = {}
+            for name, _, _ in self.sources:
+                with self._gathered([name]) as values:
+                    if self.rank == 0:
+                        whole[name] = values()[0].detach().cpu().clone()
+            if self.rank == 0:
+                model.get_base_model().save_pretrained(os.path.join(path, "merged"), state_dict=whole)
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(os.path.join(path, "merged"))
 
 
 def trainer_placement_group(cfg):
@@ -673,7 +761,9 @@ def ds_settings(cfg) -> dict:
     d = cfg.ds
     return {"zero_stage": d.zero_stage, "dtype": cfg.dtype, "overlap_comm": d.overlap_comm, "zpg": d.zpg,
             "adam_offload": d.adam_offload, "grad_accum_dtype": d.grad_accum_dtype, "ref_offload": cfg.ref.offload,
-            "enable_sleep": d.enable_sleep and cfg.hybrid}
+            "enable_sleep": d.enable_sleep and cfg.hybrid,
+            "lora": {"rank": d.lora_rank, "alpha": d.lora_alpha, "dropout": d.lora_dropout,
+                     "target_modules": d.lora_target_modules} if d.lora_rank else None}
 
 
 def optimizer_settings(cfg) -> dict:

@@ -147,7 +147,7 @@ def save_model(cfg, policy) -> str:
     from openrlhf_async.utils.ray_utils import actor_died, root_cause
 
     try:
-        get_all(policy.call("save_hf", cfg.output_dir))
+        get_all(policy.call("save_hf", cfg.output_dir, cfg.ds.lora_save_merged))
         return cfg.output_dir
     except Exception as error:
         fallback = os.path.join(cfg.run_dir, "final_hf")
@@ -155,7 +155,7 @@ def save_model(cfg, policy) -> str:
             raise
         warn(f"--ckpt.output_dir {cfg.output_dir}: the model could not be saved there ({root_cause(error)}; what it "
              f"wrote there is incomplete); saving it in the run folder instead: {fallback}")
-    get_all(policy.call("save_hf", fallback))
+    get_all(policy.call("save_hf", fallback, cfg.ds.lora_save_merged))
     return fallback
 
 

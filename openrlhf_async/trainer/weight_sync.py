@@ -6,6 +6,11 @@ import time
 
 from openrlhf_async.rollout.engine import submit
 from openrlhf_async.rollout.sync_group import plan_buckets
+from openrlhf_async.utils.ray_utils import get_all
+
+
+class SyncCheckFailed(RuntimeError):
+    """The engines' log-probs of the probe differ from the trainer's after a sync (WeightSync.check_engines)."""
 
 
 class WeightSync:
@@ -39,6 +44,12 @@ class WeightSync:
         self.engines_dropped = 0  # engines left out of a sync, dead or hung
         self.drain_frozen = 0  # requests frozen when a drain reached --vllm.sync_drain_timeout
         self.broadcasts_failed = 0  # broadcasts that did not complete everywhere, made again to the engines left
+        # With LoRA every sync is checked (check_engines): an adapter that never reached the engines cannot train
+        # silently. The tolerance on the probe's log-probs: fp32 agrees to about 1e-6 here; bf16 rounds.
+        self.check = cfg.ds.lora_rank > 0
+        self.tolerance = 1e-3 if cfg.dtype == "fp32" else 5e-2
+        self.probe = ray.get(policy.actors[0].probe_ids.remote()) if self.check else None
+        self.probe_diff = self.probe_adapter_effect = None  # the last check's figures
         self.members = self._connect(self.members)
 
     @property
@@ -59,6 +70,8 @@ class WeightSync:
         if self.fleet is not None:
             members = {**ray.get(self.fleet.active.remote()), **ray.get(self.fleet.joining.remote())}
         members = self._broadcast(members, version, pause_mode)
+        if self.check and members:
+            self.check_engines(members, version)
         if not members and self.fleet is None:
             raise RuntimeError("every vLLM engine died: no engine is left to generate with")
         self.version, self.members = version, members
@@ -79,9 +92,43 @@ class WeightSync:
         if not joining:
             return 0
         joined = self._broadcast(joining, self.version, "keep")
+        if self.check and joined:
+            self.check_engines(joined, self.version)
         self.members.update(joined)
         ray.get(self.fleet.joined.remote(list(joined), self.version))
         return len(joined)
+
+    def check_engines(self, members: dict, version: int) -> None:
+        """The engines' greedy continuations of the fixed probe (PolicyActor.probe_ids), scored by the trainer: each
+        engine's log-probs must equal the trainer's within the tolerance, and its tokens carry the new version. A
+        mismatch stops the run with one line (SyncCheckFailed): the engines would generate with weights the trainer
+        does not have. sync/probe_adapter_effect, how far the adapter moves the same log-probs, says how much a
+        skipped adapter would show (little in the first steps: LoRA's B starts at zero)."""
+        greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+        ids = list(members)
+        outs = get_all([members[i].generate.remote(p, greedy, f"sync-check-{version}-{i}-{k}")
+                        for i in ids for k, p in enumerate(self.probe)], self.timeout)
+        trainer = get_all(self.policy.call("forward_logprobs", outs), self.timeout)[0]
+        base = get_all(self.policy.call("forward_logprobs", outs, 1.0, False), self.timeout)[0]
+
+        def furthest(a, b):
+            return max(abs(x - y) for out, ref in zip(a, b) for x, y in zip(out["logprobs"], ref["logprobs"]))
+
+        per = len(self.probe)
+        diffs = {i: furthest(outs[k * per:(k + 1) * per], trainer[k * per:(k + 1) * per]) for k, i in enumerate(ids)}
+        self.probe_diff = max(diffs.values())
+        self.probe_adapter_effect = furthest(trainer, base)
+        stale = [i for k, i in enumerate(ids) if any(v != version for out in outs[k * per:(k + 1) * per]
+                                                     for v in out["token_versions"])]
+        worst = max(diffs, key=diffs.get)
+        if diffs[worst] > self.tolerance or stale:
+            engine = worst if diffs[worst] > self.tolerance else stale[0]
+            raise SyncCheckFailed(
+                f"weight sync check: engine {engine} differs from the trainer by {diffs[engine]:.3g} in the probe's "
+                f"log-probs after version {version} (tolerance {self.tolerance:g}; the adapter moves them by "
+                f"{self.probe_adapter_effect:.3g}"
+                + (", and its tokens carry another version" if engine in stale else "")
+                + "): the engines do not run the trained weights")
 
     def to_train(self) -> None:
         """Before a step trains: nothing here (the engines have devices of their own); the hybrid engine's engines

@@ -1,0 +1,218 @@
+"""LoRA (--ds.lora.*): peft's adapter alone trains, the reference model is the policy with its adapter disabled, the
+engines get the merged weights through the usual weight sync, and every sync is checked: the engines' log-probs of a
+fixed probe must equal the trainer's, so an adapter that never reached them stops the run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+import torch
+
+from conftest import preset_config
+from openrlhf_async.config import ConfigError
+
+LORA = ("--ds.lora.rank", "8", "--ds.lora.alpha", "16")
+
+
+# ---- flags ------------------------------------------------------------------------------------------------------
+
+def test_openrlhfs_lora_flags_are_taken_in_both_spellings_all_linear_as_peft_reads_it():
+    cfg = preset_config(*LORA, "--ds.lora.dropout", "0.05")
+    assert (cfg.ds.lora_rank, cfg.ds.lora_alpha, cfg.ds.lora_dropout) == (8, 16, 0.05)
+    assert cfg.ds.lora_target_modules == "all-linear"  # peft's shorthand, not a module named all-linear
+    old = preset_config("--lora_rank", "4", "--lora_alpha", "8", "--target_modules", "q_proj", "v_proj")
+    assert (old.ds.lora_rank, old.ds.lora_alpha, list(old.ds.lora_target_modules)) == (4, 8, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--ds.load_in_4bit", *LORA), "--ds.load_in_4bit True: not supported here: QLoRA needs bitsandbytes' CUDA "
+                                   "kernels; on cpu it cannot run"),
+    ((*LORA, "--ds.lora.target_modules", "q_proj", "lm_head"), "--ds.lora.target_modules lm_head: an adapter on"),
+    (("--ds.lora.rank", "-1"), "--ds.lora.rank -1"),
+])
+def test_a_refused_lora_setting_is_one_line(flags, message):
+    with pytest.raises(ConfigError) as e:
+        preset_config(*flags)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_memory_plan_counts_the_adapter_alone_for_gradients_and_optimizer_and_no_reference_copy():
+    from openrlhf_async.trainer import memory_plan
+
+    shape = memory_plan.model_shape(os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs",
+                                                 "Qwen2.5-Math-7B"))
+    full = preset_config("--algo.kl.init_coef", "0.01", "--ds.param_dtype", "bf16")
+    lora = preset_config("--algo.kl.init_coef", "0.01", "--ds.param_dtype", "bf16", "--ds.lora.rank", "16")
+    f, l = (memory_plan.rank_bytes(shape, memory_plan.setup_of(c)) for c in (full, lora))
+    adapter = shape.lora_params(16, "all-linear")
+    assert 0.003 < adapter / shape.params < 0.01  # rank 16 on every linear layer of a 7B model: about 0.5%
+    assert l["optimizer"] == 12 * adapter / 2 and f["optimizer"] == 12 * shape.params / 2
+    states = ("weights", "gradients", "optimizer", "reference")
+    assert l["reference"] == 0 < f["reference"] and sum(map(l.get, states)) < sum(map(f.get, states)) / 3
+
+
+# ---- the adapter and the weights the engines load (no Ray) ----------------------------------------------------------
+
+def test_the_engines_weights_are_the_base_names_with_each_adapted_layer_merged(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_async.trainer.policy import _with_adapter, source_value, weight_sources
+
+    names = [n for n, _ in AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters()]
+    torch.manual_seed(0)
+    model = _with_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                          {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}, False)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)  # B starts at zero: give the adapter an effect
+    sources = weight_sources(model, lora=True)
+    assert [name for name, _, _ in sources] == names, "the engines would not know these names"
+    merged = {name: source_value(params, scaling).clone() for name, params, scaling in sources}
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        plain.load_state_dict(merged, strict=False)
+        diff = (plain(input_ids=ids).logits - adapted).abs().max()
+        assert diff < 1e-4, diff
+        with model.disable_adapter():
+            assert (model(input_ids=ids).logits - adapted).abs().max() > 1e-2, "the adapter had no effect to merge"
+
+
+# ---- on the session's engines and a LoRA policy of 2 ZeRO-3 ranks --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora(ray_cluster, tiny_model_path):
+    from openrlhf_async.trainer.policy import PolicyGroup
+
+    cfg = preset_config(*LORA, "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "2")
+    policy = PolicyGroup(cfg, tiny_model_path)
+    yield cfg, policy
+    policy.shutdown()
+
+
+def _train(policy, cfg, prompts, scale=1.0):
+    from openrlhf_async.trainer.policy import loss_settings
+
+    samples = [{"prompt_ids": p, "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3,
+                "advantage": scale * (1.0 - 2 * (i % 2))} for i, p in enumerate(prompts)]
+    return policy.train_step(samples, 2, loss_settings(cfg, correction={"level": "off"}))
+
+
+def test_only_the_adapter_trains_and_the_reference_is_the_base_model(lora, tiny_model_path):
+    from test_weight_sync import _prompt_ids
+
+    cfg, policy = lora
+    prompts = _prompt_ids(tiny_model_path, 4)
+    samples = [{"prompt_ids": p, "response_ids": [20, 21, 22]} for p in prompts]
+    base = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    adapter = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    before = policy.logprobs(samples, 1.0)
+    assert policy.logprobs(samples, 1.0, reference=True) == before  # B = 0: the adapter does nothing yet
+    base_before, adapter_before = (ray.get(policy.call("read_parameter", n))[0] for n in (base, adapter))
+    stats = _train(policy, cfg, prompts, scale=5.0)
+    assert stats["grad_norm"] > 0
+    assert ray.get(policy.call("read_parameter", base))[0].equal(base_before), "a frozen base weight moved"
+    assert not ray.get(policy.call("read_parameter", adapter))[0].equal(adapter_before)
+    assert policy.logprobs(samples, 1.0, reference=True) == before, "the reference moved with the adapter"
+    assert policy.logprobs(samples, 1.0) != before
+
+
+def test_lora_syncs_are_exact_and_checked_and_a_skipped_adapter_stops_the_run(
+        lora, restore_weights, engines, weight_sync, tiny_model_path, tmp_path):
+    from test_weight_sync import _greedy, _prompt_ids
+
+    from openrlhf_async.trainer.weight_sync import SyncCheckFailed, WeightSync
+
+    cfg, policy = lora
+    prompts = _prompt_ids(tiny_model_path, 4)
+    name = "model.layers.0.self_attn.q_proj.weight"  # adapted: the engines get it merged
+    try:
+        sync = WeightSync(policy, engines, cfg)
+        for _ in range(3):  # several syncs, each checked inside sync()
+            _train(policy, cfg, prompts, scale=5.0)
+            sync.sync()
+            assert sync.probe_diff <= 1e-3, sync.probe_diff
+        assert sync.probe_adapter_effect > 10 * sync.tolerance, "the adapter barely moved: the check would be blind"
+        merged = ray.get(policy.call("read_weight", name))[0]
+        for engine in engines:
+            assert ray.get(engine.get_weight_version.remote()) == sync.version == 3
+            outs = _greedy(engine, prompts)
+            teacher = ray.get(policy.call("forward_logprobs", outs))[0]
+            for out, ref in zip(outs, teacher):
+                assert out["response_ids"] == ref["greedy_ids"]
+                assert max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"])) <= 1e-4
+
+        # The field's failure: the trainer sends the base weights without the adapter (as a sync of peft's names
+        # that the engines ignore would leave them). The check stops it at once.
+        ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "kept", actor.sources)) for a in policy.actors])
+        ray.get([a.__ray_call__.remote(lambda actor: setattr(
+            actor, "sources", [(n, params[:1], None) for n, params, _ in actor.sources])) for a in policy.actors])
+        with pytest.raises(SyncCheckFailed) as e:
+            sync.sync()
+        line = str(e.value)
+        assert line.startswith("weight sync check: engine ") and "does not run the trained weights" in line
+        assert "\n" not in line
+    finally:
+        ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "sources", getattr(actor, "kept", actor.sources)))
+                 for a in policy.actors])
+        weight_sync.grouped = None  # the engines joined the LoRA policy's group: form the shared one again
+
+
+def test_a_lora_checkpoint_resumes_exactly_and_the_adapter_saves_in_peft_format(lora, tiny_model_path, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from test_weight_sync import _prompt_ids
+
+    cfg, policy = lora
+    prompts = _prompt_ids(tiny_model_path, 4)
+    adapter = "base_model.model.model.layers.1.mlp.down_proj.lora_B.default.weight"
+    ray.get(policy.call("save_checkpoint", str(tmp_path / "ckpt")))
+    saved = ray.get(policy.call("read_parameter", adapter))[0]
+    first = _train(policy, cfg, prompts, scale=5.0)
+    ray.get(policy.call("load_checkpoint", str(tmp_path / "ckpt")))
+    assert ray.get(policy.call("read_parameter", adapter))[0].equal(saved)
+    again = _train(policy, cfg, prompts, scale=5.0)
+    assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
+    shards = [f for f in os.listdir(tmp_path / "ckpt" / "deepspeed") if "model_states" in f]
+    assert shards and all(os.path.getsize(tmp_path / "ckpt" / "deepspeed" / f) < 2**20 for f in shards), \
+        "the frozen base was written into the checkpoint"
+
+    out = tmp_path / "final"
+    ray.get(policy.call("save_hf", str(out), True))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
+    assert not os.path.exists(out / "config.json"), "a full model beside the adapter would load without it"
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
+    assert all(".lora_" in k for k in load_file(str(out / "adapter_model.safetensors")))
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                                                str(out))(input_ids=ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(str(out / "merged"))(input_ids=ids).logits
+    assert (peft_logits - merged_logits).abs().max() < 1e-4
+
+
+# ---- the CLI (a Ray of its own: runs before the session's stack) --------------------------------------------------
+
+def test_a_lora_run_trains_with_every_sync_checked_and_leaves_its_adapter(tmp_path, tiny_model_path):
+    from openrlhf_async.config import preset_path
+
+    cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
+           "--actor.model_name_or_path", tiny_model_path, *LORA, "--actor.adam.lr", "1e-3",
+           "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16",
+           "--rollout.vllm_generate_batch_size", "8", "--train.max_steps", "3", "--eval.steps", "-1",
+           "--runs_dir", str(tmp_path / "runs"), "--run_name", "lora", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "lora"
+    trained = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
+    assert [m["engine_weight_version"] for m in trained] == [1, 2, 3]
+    assert all(m["sync/probe_logprob_diff"] <= 1e-3 for m in trained)
+    assert trained[-1]["sync/probe_adapter_effect"] > 0
+    assert (run_dir / "final_hf" / "adapter_config.json").is_file()
