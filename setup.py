@@ -13,6 +13,7 @@ COMMON = [
     "accelerate==1.13.0",
     "datasets==5.2.0",  # the data loader
     "gguf==0.19.0",  # models published as GGUF files (models/gguf.py), read by transformers
+    "peft==0.21.2",  # LoRA (--ds.lora.*) on the trainer
     "math-verify==0.9.0",
     "pyseccomp==0.1.2",  # the code sandbox's seccomp filter, compiled by the system's libseccomp
     "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers

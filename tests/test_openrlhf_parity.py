@@ -96,7 +96,7 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
 
 @pytest.mark.parametrize("flags, message", [
     (["--critic.model_name_or_path", "x"], "--critic.model_name_or_path x: not supported here: no critic"),
-    (["--ds.lora.rank", "8"], "--ds.lora.rank 8: not supported here: LoRA is not built"),
+    (["--ds.load_in_4bit"], "--ds.load_in_4bit True: not supported here: QLoRA needs bitsandbytes' CUDA kernels"),
     (["--data.max_images_per_prompt", "2"], "--data.max_images_per_prompt 2: not supported here: vision-language"),
     (["--algo.advantage.estimator", "gae"], "--algo.advantage.estimator gae (OpenRLHF's default) needs a critic"),
     (["--actor.optim", "muon"], "--actor.optim muon: not supported here: only adam"),
