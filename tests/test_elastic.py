@@ -129,6 +129,7 @@ def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_
     _assert_engines_hold_trainer_weights(policy, sync)
 
 
+@pytest.mark.long  # 2.5 minutes; test_train_e2e resumes a killed run from its checkpoint in the default suite
 def test_a_policy_rank_killed_mid_run_restarts_the_trainer_from_its_checkpoint_by_itself(tmp_path, tiny_model_path):
     """The CLI with checkpoints every step; a ZeRO-3 rank is SIGKILLed: the run restarts its trainer side from the
     newest checkpoint within the same job (the engines kept) and finishes, every prompt used once, none skipped."""

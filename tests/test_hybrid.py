@@ -458,7 +458,8 @@ def test_the_memory_plan_refuses_a_hybrid_engine_whose_engines_do_not_sleep_whil
 
 # ---- end to end: two of them scaled down on the CLI (a Ray of its own each: they run before the session's stack) -------
 
-@pytest.mark.parametrize("script", ["prorl_v2", "grpo_agent_flat"])
+# The 0.10 GRPO agent script (flat spellings, an agent, a reference model) is marked long: 100 s.
+@pytest.mark.parametrize("script", ["prorl_v2", pytest.param("grpo_agent_flat", marks=pytest.mark.long)])
 def test_openrlhfs_hybrid_scripts_scaled_down_train_two_steps_with_engines_sleeping_while_the_policy_trains(
         inputs, tiny_model_path, script):
     flags = [*script_flags(script, inputs, tiny_model_path), *SCALED, "--runs_dir", str(inputs / "runs"),

@@ -90,7 +90,9 @@ def test_the_engines_weights_are_the_base_names_with_each_adapted_layer_merged(t
 def lora(ray_cluster, tiny_model_path):
     from openrlhf_async.trainer.policy import PolicyGroup
 
-    cfg = preset_config(*LORA, "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "2")
+    # LoRA's learning rates are higher than full fine-tuning's: the adapter must move the probe well past the
+    # check's tolerance within a few steps (B starts at zero).
+    cfg = preset_config(*LORA, "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "2", "--actor.adam.lr", "1e-2")
     policy = PolicyGroup(cfg, tiny_model_path)
     yield cfg, policy
     policy.shutdown()
@@ -156,7 +158,7 @@ def test_lora_syncs_are_exact_and_checked_and_a_skipped_adapter_stops_the_run(
         with pytest.raises(SyncCheckFailed) as e:
             sync.sync()
         line = str(e.value)
-        assert line.startswith("weight sync check: engine ") and "does not run the trained weights" in line
+        assert line.startswith("weight sync check: engine ") and line.endswith("the engines do not run the trained weights")
         assert "\n" not in line
     finally:
         ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "sources", getattr(actor, "kept", actor.sources)))
@@ -206,13 +208,13 @@ def test_a_lora_run_trains_with_every_sync_checked_and_leaves_its_adapter(tmp_pa
     cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
            "--actor.model_name_or_path", tiny_model_path, *LORA, "--actor.adam.lr", "1e-3",
            "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16",
-           "--rollout.vllm_generate_batch_size", "8", "--train.max_steps", "3", "--eval.steps", "-1",
+           "--rollout.vllm_generate_batch_size", "8", "--train.max_steps", "2", "--eval.steps", "-1",
            "--runs_dir", str(tmp_path / "runs"), "--run_name", "lora", "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "lora"
     trained = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
-    assert [m["engine_weight_version"] for m in trained] == [1, 2, 3]
+    assert [m["engine_weight_version"] for m in trained] == [1, 2]
     assert all(m["sync/probe_logprob_diff"] <= 1e-3 for m in trained)
     assert trained[-1]["sync/probe_adapter_effect"] > 0
     assert (run_dir / "final_hf" / "adapter_config.json").is_file()

@@ -66,6 +66,7 @@ def _changed(model_dir, tiny_model_path) -> bool:
     return set(saved) == set(initial) and any((saved[k] - initial[k]).abs().max() > 0 for k in initial)
 
 
+@pytest.mark.long  # 2 minutes; the next test keeps a stopped run's model through the same save in less
 def test_a_final_save_that_fails_keeps_the_model_in_the_run_folder_and_says_so(tmp_path, tiny_model_path, full_disk,
                                                                              run_cli):
     """The run trained to the end and stopped with OSError, keeping nothing."""

@@ -44,7 +44,7 @@ WEIGHT = "model.layers.0.mlp.down_proj.weight"
     pytest.param(0, True, False, id="zero0-ref"),
     pytest.param(1, False, True, id="zero1-offload", marks=pytest.mark.long),
     pytest.param(2, True, True, id="zero2-ref-offload", marks=pytest.mark.long),
-    pytest.param(3, True, True, id="zero3-ref-offload"),
+    pytest.param(3, True, True, id="zero3-ref-offload", marks=pytest.mark.long),  # CPU Adam: 110 s to build
 ])
 def test_each_zero_stage_trains_a_step_beside_a_frozen_reference_model_and_saves_and_restores_it(
         ray_cluster, tiny_model_path, tmp_path, stage, reference, offload):
