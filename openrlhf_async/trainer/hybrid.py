@@ -82,30 +82,25 @@ class HybridWeightSync(WeightSync):
             if method in ("sleep", "wake_up"):
                 self.handover_s += time.perf_counter() - start
 
-    def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
-        """Offload, wake the engines' weights, transfer every bucket, finish with the version, wake the KV cache;
-        returns the engines that got the weights. A transfer that did not complete is made again to the engines left
-        (they stay asleep, on no version of it, until one does)."""
+    def _before(self, members: dict, pause_mode: str) -> dict:
+        """Offload the trainer's states and wake the engines' weights for the transfer (WeightSync._broadcast then
+        sends every bucket and finishes with the version; a transfer that did not complete is made again to the
+        engines left, which stay asleep, on no version of it, until one does)."""
         if self.trainer_sleep:
             self._ranks("offload_states")
             self.calls.append("offload")
         if self.asleep:
             members = self._keep(members, self._call(members, "wake_up", ["weights"]))
             self.calls.append("wake weights")
-        for _ in range(self.attempts):
-            if not members:
-                return {}
-            if set(members) != self.grouped:
-                members = self._connect(members)
-            members, complete = self._send(members, version)
-            if complete:
-                if self.asleep:
-                    members = self._keep(members, self._call(members, "wake_up", ["kv_cache"]))
-                    self.asleep = False
-                    self.calls.append("wake kv_cache")
-                return members
-        raise RuntimeError(f"the weight transfer to engines {sorted(members)} failed {self.attempts} times with no "
-                           "engine to blame; see the engines' logs")
+        return members
+
+    def _after(self, members: dict) -> dict:
+        """Every bucket arrived: the engines wake their KV cache."""
+        if self.asleep:
+            members = self._keep(members, self._call(members, "wake_up", ["kv_cache"]))
+            self.asleep = False
+            self.calls.append("wake kv_cache")
+        return members
 
     def _connect(self, members: dict) -> dict:
         """Set up each engine's transfer: on cpu a new shared-memory file on the rank in its first bundle, mapped by

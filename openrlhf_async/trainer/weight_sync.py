@@ -140,8 +140,9 @@ class WeightSync:
     # ---- inside --------------------------------------------------------------------------------------------
 
     def _broadcast(self, members: dict, version: int, pause_mode: str) -> dict:
-        """Pause, (re)form the group, broadcast, resume; returns the engines that got the weights."""
-        members = self._pause(members, pause_mode)
+        """Ready the engines (_before), (re)form the group, send, let them generate again (_after); returns the
+        engines that got the weights. A send that did not complete is made again to the engines left."""
+        members = self._before(members, pause_mode)
         for _ in range(self.attempts):
             if not members:
                 return {}
@@ -149,9 +150,15 @@ class WeightSync:
                 members = self._connect(members)
             members, complete = self._send(members, version)
             if complete:
-                return self._keep(members, self._call(members, "resume"))
-        raise RuntimeError(f"the weight broadcast to engines {sorted(members)} failed {self.attempts} times with no "
+                return self._after(members)
+        raise RuntimeError(f"the weight sync to engines {sorted(members)} failed {self.attempts} times with no "
                            "engine to blame; see the engines' logs")
+
+    def _before(self, members: dict, pause_mode: str) -> dict:
+        return self._pause(members, pause_mode)
+
+    def _after(self, members: dict) -> dict:
+        return self._keep(members, self._call(members, "resume"))
 
     def _pause(self, members: dict, mode: str) -> dict:
         """Pause the engines ("wait": drain, for --vllm.sync_drain_timeout at most); returns those paused."""
