@@ -123,6 +123,35 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base_model(lora, tiny_
     assert policy.logprobs(samples, 1.0) != before
 
 
+def test_under_zero_2_openrlhfs_default_stage_the_adapter_alone_trains_and_resumes_exactly(
+        ray_cluster, tiny_model_path, tmp_path):
+    from test_weight_sync import _prompt_ids
+
+    from openrlhf_async.trainer.policy import PolicyGroup
+
+    cfg = preset_config(*LORA, "--ds.zero_stage", "2", "--algo.kl.init_coef", "0.01", "--actor.adam.lr", "1e-2")
+    policy = PolicyGroup(cfg, tiny_model_path)
+    try:
+        prompts = _prompt_ids(tiny_model_path, 4)
+        samples = [{"prompt_ids": p, "response_ids": [20, 21, 22]} for p in prompts]
+        base = "base_model.model.model.layers.0.mlp.up_proj.base_layer.weight"
+        adapter = "base_model.model.model.layers.0.mlp.up_proj.lora_B.default.weight"
+        before, base_before = policy.logprobs(samples, 1.0), ray.get(policy.call("read_parameter", base))[0]
+        ray.get(policy.call("save_checkpoint", str(tmp_path / "ckpt")))
+        first = _train(policy, cfg, prompts, scale=5.0)
+        assert first["grad_norm"] > 0 and policy.logprobs(samples, 1.0) != before
+        assert ray.get(policy.call("read_parameter", base))[0].equal(base_before), "a frozen base weight moved"
+        assert policy.logprobs(samples, 1.0, reference=True) == before, "the reference moved with the adapter"
+        trained = ray.get(policy.call("read_parameter", adapter))[0]
+        ray.get(policy.call("load_checkpoint", str(tmp_path / "ckpt")))
+        assert policy.logprobs(samples, 1.0) == before
+        again = _train(policy, cfg, prompts, scale=5.0)
+        assert (again["loss"], again["grad_norm"]) == (first["loss"], first["grad_norm"])
+        assert ray.get(policy.call("read_parameter", adapter))[0].equal(trained)
+    finally:
+        policy.shutdown()
+
+
 def test_lora_syncs_are_exact_and_checked_and_a_skipped_adapter_stops_the_run(
         lora, restore_weights, engines, weight_sync, tiny_model_path, tmp_path):
     from test_weight_sync import _greedy, _prompt_ids
