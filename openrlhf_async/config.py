@@ -80,7 +80,7 @@ def setting(default, help: str, choices: tuple = None, range: str = None, flag: 
                                             "openrlhf": openrlhf, "type": type, "nargs": nargs, "most": most})
 
 
-_NO_CRITIC = "no effect: no critic is trained here (the critic-free estimators need none; gae is refused)"
+_NO_MUON_REFUSED = "refused: only the adam optimizer is built"
 _NO_REWARD_MODEL = "no effect: rewards come from the agent, a reward_func file or a reward service, not a model"
 _NO_MUON = "no effect: only the adam optimizer is built (--actor.optim muon is refused)"
 _REF_ON_POLICY = "no effect: the reference model always sits on the policy's ranks, partitioned like it"
@@ -162,30 +162,40 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    model_name_or_path: Optional[str] = setting(None, "critic model", type=str,
-                                                openrlhf="refused: no critic is trained here; use a critic-free "
-                                                         "estimator (group_norm, reinforce_baseline, rloo, ...)")
-    num_nodes: int = setting(1, "critic nodes", openrlhf=_NO_CRITIC)
-    num_gpus_per_node: int = setting(8, "critic GPUs per node", openrlhf=_NO_CRITIC)
-    optim: str = setting("adam", "critic optimizer", choices=("adam", "muon"), openrlhf=_NO_CRITIC)
-    muon_lr: float = setting(0.02, "critic Muon learning rate", flag="critic.muon.lr", openrlhf=_NO_CRITIC)
-    muon_momentum: float = setting(0.95, "critic Muon momentum", flag="critic.muon.momentum", openrlhf=_NO_CRITIC)
-    muon_ns_steps: int = setting(5, "critic Muon Newton-Schulz steps", flag="critic.muon.ns_steps",
-                                 openrlhf=_NO_CRITIC)
+    model_name_or_path: Optional[str] = setting(None, "critic model (gae): a causal LM (its value head starts at "
+                                                      "random) or a critic / reward model in OpenRLHF's format; "
+                                                      "default: the actor's model", type=str, openrlhf="same")
+    num_nodes: int = setting(1, "critic nodes", range=">= 1", openrlhf="same")
+    num_gpus_per_node: int = setting(8, "critic GPUs (ranks) per node", range=">= 1", openrlhf="same")
+    optim: str = setting("adam", "critic optimizer", choices=("adam", "muon"), openrlhf=_NO_MUON_REFUSED)
+    muon_lr: float = setting(0.02, "critic Muon learning rate", flag="critic.muon.lr", openrlhf=_NO_MUON)
+    muon_momentum: float = setting(0.95, "critic Muon momentum", flag="critic.muon.momentum", openrlhf=_NO_MUON)
+    muon_ns_steps: int = setting(5, "critic Muon Newton-Schulz steps", flag="critic.muon.ns_steps", openrlhf=_NO_MUON)
     muon_nesterov: bool = setting(True, "critic Muon Nesterov momentum", flag="critic.muon.nesterov",
-                                  openrlhf=_NO_CRITIC)
-    adam_lr: float = setting(9e-6, "critic learning rate", flag="critic.adam.lr", openrlhf=_NO_CRITIC)
-    adam_betas: tuple = setting((0.9, 0.95), "critic Adam betas", flag="critic.adam.betas", openrlhf=_NO_CRITIC)
-    adam_eps: float = setting(1e-8, "critic Adam epsilon", flag="critic.adam.eps", openrlhf=_NO_CRITIC)
-    adam_weight_decay: float = setting(0.0, "critic weight decay", flag="critic.adam.weight_decay",
-                                       openrlhf=_NO_CRITIC)
-    lr_scheduler: str = setting("cosine_with_min_lr", "critic schedule", openrlhf=_NO_CRITIC)
-    lr_warmup_ratio: float = setting(0.03, "critic warm-up share", openrlhf=_NO_CRITIC)
-    min_lr_ratio: float = setting(0.1, "critic final learning-rate share", openrlhf=_NO_CRITIC)
-    max_norm: float = setting(1.0, "critic gradient clipping", openrlhf=_NO_CRITIC)
-    value_clip: float = setting(0.5, "PPO value clip range", openrlhf=_NO_CRITIC)
-    freezing_steps: int = setting(-1, "steps the actor is frozen while the critic warms up", openrlhf=_NO_CRITIC)
-    save_value_network: bool = setting(False, "save the critic", openrlhf=_NO_CRITIC)
+                                  openrlhf=_NO_MUON)
+    adam_lr: float = setting(9e-6, "critic learning rate", flag="critic.adam.lr", range="> 0", openrlhf="same")
+    adam_betas: tuple = setting((0.9, 0.95), "critic Adam beta1 beta2", range="[0, 1)", flag="critic.adam.betas",
+                                openrlhf="same")
+    adam_eps: float = setting(1e-8, "critic Adam epsilon", flag="critic.adam.eps", range="> 0", openrlhf="same")
+    adam_weight_decay: float = setting(0.0, "critic weight decay", flag="critic.adam.weight_decay", range=">= 0",
+                                       openrlhf="same")
+    lr_scheduler: str = setting("cosine_with_min_lr", "critic learning-rate schedule (a transformers scheduler name)",
+                                openrlhf="same")
+    lr_warmup_ratio: float = setting(0.03, "critic warm-up share", range="[0, 1]", openrlhf="same")
+    min_lr_ratio: float = setting(0.1, "critic final learning-rate share (cosine_with_min_lr)", range="[0, 1]",
+                                  openrlhf="same")
+    max_norm: float = setting(1.0, "critic gradient clipping norm", range=">= 0", openrlhf="same")
+    value_clip: Optional[float] = setting(0.5, "PPO's value clip: the value loss takes the worse of the new value and "
+                                               "the new value kept within this of the old", type=float, range="> 0",
+                                          openrlhf="same")
+    freezing_steps: int = setting(-1, "the actor trains only after this many steps (the critic warms up first)",
+                                  openrlhf="same")
+    save_value_network: bool = setting(False, "save the critic at the end, in <--ckpt.output_dir>_critic",
+                                       openrlhf="same")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
 
 
 @dataclass
@@ -365,7 +375,9 @@ class TrainConfig:
                                         "equal the trainer's ranks); in the async modes the DeepSpeed models only, as "
                                         "OpenRLHF's async trainer does",
                                  openrlhf="same")
-    colocate_critic_reward: bool = setting(False, "colocate critic and reward model", openrlhf=_NO_CRITIC)
+    colocate_critic_reward: bool = setting(False, "colocate critic and reward model",
+                                           openrlhf="no effect: the critic has ranks of its own, and no reward model "
+                                                    "runs here")
     enable_ema: bool = setting(False, "keep an EMA copy of the weights", openrlhf="refused: EMA weights are not built")
     ema_beta: float = setting(0.992, "EMA coefficient", openrlhf="no effect: EMA weights are not built")
     dynamic_batch_enable: bool = setting(False, "micro batches of a token budget (--train.max_tokens_per_gpu) instead "
@@ -435,17 +447,18 @@ class EvalConfig:
 @dataclass
 class AlgoConfig:
     advantage_estimator: str = setting(
-        "gae", "group_norm (GRPO), dr_grpo, rloo, reinforce, reinforce_baseline (REINFORCE++ with baseline) or "
-               "flash_reinforce; gae needs a critic and is refused",
+        "gae", "gae (PPO with a critic: --critic.*), group_norm (GRPO), dr_grpo, rloo, reinforce, reinforce_baseline "
+               "(REINFORCE++ with baseline) or flash_reinforce",
         choices=("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"),
-        flag="algo.advantage.estimator", openrlhf="differs: gae (its default) is refused: no critic is trained here")
+        flag="algo.advantage.estimator", openrlhf="same")
     advantage_no_std_norm: bool = setting(False, "reinforce, reinforce_baseline: centre the batch's token advantages "
                                                  "without dividing by their std", flag="algo.advantage.no_std_norm",
                                           openrlhf="same")
-    advantage_gamma: float = setting(1.0, "discount of the reward over response tokens (reinforce only)", range="(0, 1]",
-                                     flag="algo.advantage.gamma",
-                                     openrlhf="differs: 1 only (as OpenRLHF sets for every estimator but reinforce)")
-    advantage_lambd: float = setting(1.0, "GAE lambda", flag="algo.advantage.lambd", openrlhf=_NO_CRITIC)
+    advantage_gamma: float = setting(1.0, "discount of the reward over response tokens (gae; reinforce: 1 only)",
+                                     range="(0, 1]", flag="algo.advantage.gamma",
+                                     openrlhf="differs: 1 only for reinforce (OpenRLHF sets 1 for the group estimators "
+                                              "too)")
+    advantage_lambd: float = setting(1.0, "GAE lambda", flag="algo.advantage.lambd", range="[0, 1]", openrlhf="same")
     is_correction_level: str = setting("off", "train/rollout log-prob mismatch correction: off, token (each token's "
                                               "ratio pi_train/pi_rollout) or seq (the sequence's mean; mask only)",
                                        choices=("off", "token", "seq"), flag="algo.advantage.is_correction_level",
@@ -491,11 +504,11 @@ class AlgoConfig:
     kl_unbiased_gradient: bool = setting(False, "KL loss: keep the estimator's value, back-propagate the true "
                                                 "reverse-KL gradient", flag="algo.kl.unbiased_gradient",
                                          openrlhf="same")
-    kl_target: Optional[float] = setting(None, "adaptive KL controller's target", type=float, flag="algo.kl.target",
-                                         range="> 0",
-                                         openrlhf="refused: the adaptive KL controller is not built")
-    kl_horizon: int = setting(10000, "adaptive KL controller's horizon", flag="algo.kl.horizon",
-                              openrlhf="no effect: the adaptive KL controller is not built")
+    kl_target: Optional[float] = setting(None, "adaptive KL controller's target KL: after each step the coefficient "
+                                               "moves by clip(kl / target - 1, +-0.2) x samples / horizon",
+                                         type=float, flag="algo.kl.target", range="> 0", openrlhf="same")
+    kl_horizon: int = setting(10000, "adaptive KL controller's horizon (in samples)", flag="algo.kl.horizon",
+                              range=">= 1", openrlhf="same")
 
 
 @dataclass
@@ -590,7 +603,7 @@ class DSConfig:
                                                    flag="ds.lora.target_modules", openrlhf="same")
     lora_save_merged: bool = setting(False, "with LoRA, also save the merged model beside the adapter in the final "
                                             "folder (<folder>/merged)", flag="ds.lora.save_merged")
-    value_head_prefix: str = setting("score", "value head name of a critic or reward model", openrlhf=_NO_CRITIC)
+    value_head_prefix: str = setting("score", "value head name of a critic or reward model", openrlhf="same")
 
 
 @dataclass
@@ -1132,9 +1145,17 @@ _GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 
 def _validate_algo(cfg: Config) -> None:
     a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
-    if a.advantage_estimator == "gae":
-        raise ConfigError("--algo.advantage.estimator gae (OpenRLHF's default) needs a critic, which is not trained "
-                          "here: choose group_norm, reinforce_baseline, rloo, dr_grpo, reinforce or flash_reinforce")
+    if a.advantage_estimator != "gae":
+        changed = [f.name for f in dataclasses.fields(CriticConfig)
+                   if getattr(cfg.critic, f.name) != CriticConfig.__dataclass_fields__[f.name].default]
+        if changed:
+            flags = ", ".join("--critic." + name.replace("adam_", "adam.").replace("muon_", "muon.") for name in changed)
+            notice(f"{flags} {'has' if len(changed) == 1 else 'have'} no effect without --algo.advantage.estimator gae "
+                   f"(no critic is trained with {a.advantage_estimator})")
+    if a.advantage_estimator == "gae" and cfg.hybrid:
+        raise ConfigError("--algo.advantage.estimator gae with --train.colocate_all in sync mode (the hybrid engine): "
+                          "a critic beside the sleeping engines is not built yet; run the critic on devices of its own "
+                          "(drop --train.colocate_all) or use a critic-free estimator such as group_norm")
     if a.advantage_estimator in _GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"--algo.advantage.estimator {a.advantage_estimator} compares a prompt's samples with each "
                           f"other: --rollout.n_samples_per_prompt must be at least 2 (got {n})")
@@ -1143,7 +1164,7 @@ def _validate_algo(cfg: Config) -> None:
     if a.dynamic_filtering_rule == "std" and a.dynamic_filtering_range != (0.0, 1.0):
         raise ConfigError("--algo.dynamic_filtering_range is read by the mean_range rule only: drop it, or use "
                           "--algo.dynamic_filtering_rule mean_range")
-    if a.advantage_gamma != 1.0:
+    if a.advantage_gamma != 1.0 and a.advantage_estimator != "gae":
         if a.advantage_estimator == "reinforce":
             raise ConfigError(f"--algo.advantage.gamma {a.advantage_gamma}: only 1 is supported (a discount over "
                               "response tokens is not built)")
@@ -1397,6 +1418,11 @@ def check_local_cores(cfg: Config) -> None:
         raise ConfigError(f"--actor.num_nodes {a.num_nodes} x --actor.num_gpus_per_node {a.num_gpus_per_node}: "
                           f"{a.world_size} trainer ranks on cpu need a core each and this machine has {cores}; lower "
                           "--actor.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
+    c = cfg.critic
+    if cfg.algo.advantage_estimator == "gae" and c.world_size > cores:  # it trains between the policy's steps
+        raise ConfigError(f"--critic.num_nodes {c.num_nodes} x --critic.num_gpus_per_node {c.num_gpus_per_node}: "
+                          f"{c.world_size} critic ranks on cpu need a core each and this machine has {cores}; lower "
+                          "--critic.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
     engine_cores = cfg.num_engines * cfg.vllm.cpus_per_engine
     if engine_cores > cores:
         raise ConfigError(f"--vllm.num_engines {cfg.num_engines} x --vllm.cpus_per_engine "

@@ -95,10 +95,11 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--critic.model_name_or_path", "x"], "--critic.model_name_or_path x: not supported here: no critic"),
+    (["--critic.optim", "muon"], "--critic.optim muon: not supported here: only the adam optimizer is built"),
     (["--ds.load_in_4bit"], "--ds.load_in_4bit True: not supported here: QLoRA needs bitsandbytes' CUDA kernels"),
     (["--data.max_images_per_prompt", "2"], "--data.max_images_per_prompt 2: not supported here: vision-language"),
-    (["--algo.advantage.estimator", "gae"], "--algo.advantage.estimator gae (OpenRLHF's default) needs a critic"),
+    (["--algo.advantage.estimator", "gae", "--train.colocate_all", "--vllm.num_engines", "2"],
+     "--algo.advantage.estimator gae with --train.colocate_all in sync mode"),
     (["--actor.optim", "muon"], "--actor.optim muon: not supported here: only adam"),
     (["--train.colocate_all"], "--train.colocate_all: --vllm.num_engines 1 x --vllm.tensor_parallel_size 1 (1) "
                                "must equal"),
@@ -117,7 +118,7 @@ def test_flags_that_would_change_training_and_are_not_built_are_refused_in_one_l
 @pytest.mark.parametrize("flags, message", [
     (["--ds.use_liger_kernel"], "--ds.use_liger_kernel True has no effect here: a speed/memory kernel"),
     (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2 has no effect here"),
-    (["--critic.adam.lr", "1e-5"], "--critic.adam.lr 1e-05 has no effect here: no critic is trained"),
+    (["--critic.adam.lr", "1e-5"], "--critic.adam.lr has no effect without --algo.advantage.estimator gae"),
     (["--train.async_queue_size", "2"], "--train.async_queue_size 2 has no effect in --mode sync"),
     (["--train.async_enable", "--train.colocate_all", "--ds.enable_sleep"],
      "--ds.enable_sleep has no effect in the async modes"),

@@ -107,13 +107,15 @@ def load_datasets(cfg, builtin_dir: str):
 
 
 def resources(cfg) -> dict:
-    """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda) and DeepSpeed ranks."""
+    """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda), DeepSpeed ranks, and with gae
+    the critic's ranks (a GPU each)."""
     engine_gpus = cfg.num_engines * cfg.vllm.tensor_parallel_size
+    critic = cfg.critic.world_size if cfg.algo.advantage_estimator == "gae" else 0
     # The hybrid engine's engines share the trainer's GPUs (validate checked that they cover them exactly).
     gpus = max(engine_gpus, cfg.actor.world_size) if cfg.hybrid else engine_gpus + cfg.actor.world_size
     return {"device": cfg.device, "vllm_engines": cfg.num_engines,
             "tensor_parallel_size": cfg.vllm.tensor_parallel_size, "trainer_ranks": cfg.actor.world_size,
-            "hybrid": cfg.hybrid, "gpus": gpus if cfg.device == "cuda" else 0}
+            "critic_ranks": critic, "hybrid": cfg.hybrid, "gpus": gpus + critic if cfg.device == "cuda" else 0}
 
 
 def check_cluster(cfg) -> None:
@@ -127,7 +129,9 @@ def check_cluster(cfg) -> None:
         shared = " sharing the GPUs of" if cfg.hybrid else " +"
         raise ConfigError(f"--device cuda: the run needs {need} GPUs ({cfg.num_engines} engines x "
                           f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}{shared} "
-                          f"{cfg.actor.world_size} trainer ranks) and the Ray cluster has {have}; lower them or use "
+                          f"{cfg.actor.world_size} trainer ranks"
+                          + (f" + {cfg.critic.world_size} critic ranks" if resources(cfg)["critic_ranks"] else "")
+                          + f") and the Ray cluster has {have}; lower them or use "
                           "--device cpu")
 
 

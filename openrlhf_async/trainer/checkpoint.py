@@ -36,10 +36,15 @@ def save(root: str, step: int, policy, state: dict, keep: int, deepspeed: bool =
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
     os.makedirs(partial)
+    critic = getattr(policy, "critic", None)
     if deepspeed:
         get_all(policy.call("save_checkpoint", partial))
+        if critic is not None:  # PPO's critic beside the policy, in critic/
+            get_all(critic.call("save_checkpoint", os.path.join(partial, "critic")))
     if hf:
         get_all(policy.call("save_hf", os.path.join(partial, "hf")))
+        if critic is not None:
+            get_all(critic.call("save_hf", os.path.join(partial, "hf", "critic")))
     with open(os.path.join(partial, STATE_FILE), "w") as f:
         json.dump({**state, "step": step, "deepspeed": deepspeed}, f)
         f.flush()
@@ -176,5 +181,13 @@ def _state_problem(state):
 
 
 def load(path: str, policy) -> None:
-    """Restore every rank's DeepSpeed state (weights, optimizer, random state) from a checkpoint folder."""
+    """Restore every rank's DeepSpeed state (weights, optimizer, random state) from a checkpoint folder, the
+    critic's too."""
     get_all(policy.call("load_checkpoint", path))
+    critic = getattr(policy, "critic", None)
+    if critic is not None:
+        critic_path = os.path.join(path, "critic")
+        if not os.path.isdir(critic_path):
+            raise RuntimeError(f"{path} holds no critic (critic/): it was saved by a run without "
+                               "--algo.advantage.estimator gae")
+        get_all(critic.call("load_checkpoint", critic_path))

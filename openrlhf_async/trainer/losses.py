@@ -153,3 +153,61 @@ def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, global_
     counts = mask.sum(-1)
     per_sequence = (token_values * mask).sum(-1) / (counts + 1e-8)
     return (per_sequence * (counts > 0)).sum() / max(1, global_sequences)
+
+
+# ---- PPO with a critic (--algo.advantage.estimator gae) ---------------------------------------------------------
+
+def token_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Per-token rewards [B, T] for GAE: -kl_coef x kl at every response token the model wrote, plus the sequence's
+    reward (rewards: [B]) at its last such token (OpenRLHF's compute_reward)."""
+    per_token = -max(0.0, kl_coef) * kl.detach() * mask
+    last = mask.shape[1] - 1 - mask.long().flip(-1).argmax(-1)
+    return per_token.scatter_add(1, last.unsqueeze(1), rewards.to(per_token.dtype).unsqueeze(1))
+
+
+def gae(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lambd: float) -> tuple:
+    """Generalised advantage estimates and returns, [B, T] each, from the critic's values and per-token rewards,
+    back to front: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambd A_{t+1}, returns = A + V. Values
+    and rewards outside the mask count as 0, as OpenRLHF's get_advantages_and_returns takes them (an observation
+    token of a multi-turn episode is a step of reward and value 0 that gamma and lambd still discount across)."""
+    values, rewards = values.double() * mask, rewards.double() * mask
+    advantages, running = torch.zeros_like(values), torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        following = values[:, t + 1] if t + 1 < values.shape[1] else 0.0
+        running = rewards[:, t] + gamma * following - values[:, t] + gamma * lambd * running
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, no_std_norm: bool = False) -> torch.Tensor:
+    """Advantages centred (and scaled to unit variance unless no_std_norm) over the batch's masked tokens."""
+    total = mask.sum().clamp(min=1)
+    centred = advantages - (advantages * mask).sum() / total
+    if no_std_norm:
+        return centred * mask
+    return centred * ((centred.pow(2) * mask).sum() / total).clamp(min=1e-8).rsqrt() * mask
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float = None):
+    """Per-token clipped value loss, before aggregation: 0.5 x max((V - R)^2, (V_clipped - R)^2), where V_clipped stays
+    within clip of the values the returns were computed with (no clip: 0.5 x (V - R)^2)."""
+    loss = (values - returns).pow(2)
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.max(loss, (clipped - returns).pow(2))
+    return 0.5 * loss
+
+
+class KLController:
+    """The KL coefficient: fixed, or adaptive (--algo.kl.target) as Ziegler et al. and OpenRLHF's
+    AdaptiveKLController move it after each step: error = clip(kl / target - 1, -0.2, 0.2), coef *= 1 + error x
+    n_steps / horizon, where n_steps is the step's samples."""
+
+    def __init__(self, init_coef: float, target: float = None, horizon: int = 10000):
+        self.value, self.target, self.horizon = init_coef, target, horizon
+
+    def update(self, kl: float, n_steps: int) -> float:
+        if self.target:
+            error = min(max(kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + error * n_steps / self.horizon
+        return self.value

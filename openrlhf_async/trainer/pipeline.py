@@ -252,6 +252,12 @@ class TrainingActor:
         self.totals = {"max_staleness": 0, "stale_samples_trained": 0, "stale_groups_dropped": 0,
                        "starved_batches": 0, "groups_flat_filled": 0}
         self.timeline = Timeline("trainer")
+        from openrlhf_async.trainer.losses import KLController
+
+        a = cfg.algo  # the KL coefficient, adaptive with --algo.kl.target (resumed with the run)
+        self.kl = KLController(resumed.get("kl_coef", a.kl_init_coef) if resumed else a.kl_init_coef, a.kl_target,
+                               a.kl_horizon)
+        self.step, self._critic_seconds = 0, 0.0
 
     def stop(self) -> None:
         self.stopped.set()
@@ -274,6 +280,7 @@ class TrainingActor:
                 stopped_early = {"step": step, "last_step": step - 1, "reason": items.reason}
                 scores = self._end_early(step, first_step, scores)
                 break
+            self.step = step
             metrics = {"step": step, **self._step(items)}
             synced = step % t.trigger_parameter_sync_step == 0 or step == t.max_steps
             if synced:
@@ -355,14 +362,25 @@ class TrainingActor:
                 rewards = torch.tensor([[stop_properly_penalty(ep, coef) for ep in g] for g in groups],
                                        dtype=torch.float64)
                 lengths = torch.tensor([[sum(ep.action_mask) for ep in g] for g in groups])
-                advantages = group_advantages(rewards, a.advantage_estimator, a.advantage_no_std_norm,
-                                              self.cfg.reward.clip_range, lengths)
-                samples = [training_sample(ep, adv) for g, row in zip(groups, advantages)
-                           for ep, adv in zip(g, row.tolist())]
-                t = self.cfg.train
+                t, loss_cfg = self.cfg.train, loss_settings(self.cfg)
+                loss_cfg["kl"] = {**loss_cfg["kl"], "coef": self.kl.value}
                 self.weight_sync.to_train()  # the hybrid engine's engines sleep
-                stats = self.policy.train_batch(samples, t.micro_batch_size, loss_settings(self.cfg), t.batch_size,
-                                                t.max_epochs, seed=t.seed + version)
+                if a.advantage_estimator == "gae":  # the KL is in its rewards already unless --algo.kl.use_loss
+                    samples, stats = self._with_critic([ep for g in groups for ep in g], rewards.flatten(), version)
+                    loss_cfg["kl"]["coef"] = self.kl.value if a.kl_use_loss else 0.0
+                else:
+                    advantages = group_advantages(rewards, a.advantage_estimator, a.advantage_no_std_norm,
+                                                  self.cfg.reward.clip_range, lengths)
+                    samples, stats = [training_sample(ep, adv) for g, row in zip(groups, advantages)
+                                      for ep, adv in zip(g, row.tolist())], {}
+                if self.step > self.cfg.critic.freezing_steps:  # the critic warms up first (gae)
+                    stats.update(self.policy.train_batch(samples, t.micro_batch_size, loss_cfg, t.batch_size,
+                                                         t.max_epochs, seed=t.seed + version))
+                # The KL coefficient moves after the step (--algo.kl.target), as OpenRLHF's controller does: by the
+                # step's KL and its rollout batch's samples.
+                stats["kl_coef"] = self.kl.value
+                in_reward = a.advantage_estimator == "gae" and not a.kl_use_loss
+                self.kl.update(stats["rollout/kl"] if in_reward else stats.get("kl", 0.0), rewards.numel())
                 metrics = {"reward/mean": rewards.mean().item(),
                            "rollout/response_len_mean": lengths.double().mean().item(),
                            # tokens the environment wrote (multi-turn observations): masked out of the loss
@@ -384,6 +402,47 @@ class TrainingActor:
         metrics["timing/generate_s"] = metrics["rollout/time_to_batch_s"]
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens_generated"] / max(1e-9, metrics["timing/generate_s"])
         return metrics
+
+    def _with_critic(self, episodes: list, rewards: torch.Tensor, version: int) -> tuple:
+        """PPO with a critic, as OpenRLHF 0.11.2 makes its experience: the policy's log-probs before the updates,
+        the reference's, the critic's values; per-token rewards (the KL penalty at each token unless
+        --algo.kl.use_loss, the episode's reward at its last), GAE's advantages (whitened over the batch's tokens)
+        and returns; then the critic's updates on the returns. Returns the samples the policy trains on and the
+        critic's and KL's figures. The values are the critic's at training time, whatever the episode's age."""
+        from openrlhf_async.trainer.losses import approx_kl, gae, token_rewards, whiten
+        from openrlhf_async.trainer.policy import loss_settings
+
+        a, t, critic = self.cfg.algo, self.cfg.train, self.policy.critic
+        if self.cfg.reward.clip_range is not None:
+            rewards = rewards.clamp(*self.cfg.reward.clip_range)
+        samples = [training_sample(ep, 0.0) for ep in episodes]
+        with self.timeline.span("critic"):
+            values = critic.values(samples)
+        samples = self.policy._with_reference(samples, loss_settings(self.cfg, kl={"coef": self.kl.value}))
+        olds = self.policy.logprobs(samples, self.cfg.rollout.temperature)
+
+        def rows(lists):  # per-sample lists -> [B, T], right-padded with zeros
+            out = torch.zeros(len(lists), max(1, max(len(x) for x in lists)), dtype=torch.float64)
+            for i, x in enumerate(lists):
+                out[i, : len(x)] = torch.tensor(x, dtype=torch.float64)
+            return out
+
+        mask = rows([ep.action_mask for ep in episodes])
+        kl = (approx_kl(rows(olds), rows([s["ref_logprobs"] for s in samples]), a.kl_estimator).double() * mask
+              if "ref_logprobs" in samples[0] else torch.zeros_like(mask))
+        per_token = token_rewards(rewards, kl, mask, 0.0 if a.kl_use_loss else self.kl.value)
+        advantages, returns = gae(rows(values), per_token, mask, a.advantage_gamma, a.advantage_lambd)
+        advantages = whiten(advantages, mask, a.advantage_no_std_norm)
+        samples = [{**s, "advantage": advantages[i, :n].tolist(), "returns": returns[i, :n].tolist(),
+                    "values": values[i], "old_logprobs": olds[i]}
+                   for i, (s, n) in enumerate(zip(samples, (len(ep.response_ids) for ep in episodes)))]
+        stats = {"rollout/kl": float((kl * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).mean())}
+        with self.timeline.span("critic"):
+            stats.update(critic.train_batch(samples, t.micro_batch_size, {"value_clip": self.cfg.critic.value_clip},
+                                            t.batch_size, t.max_epochs, seed=t.seed + version))
+        stats["timing/critic_s"] = self.timeline.seconds.get("critic", 0.0) - self._critic_seconds
+        self._critic_seconds = self.timeline.seconds.get("critic", 0.0)
+        return samples, stats
 
     def _timing(self, depth: int, synced: bool) -> dict:
         """The step's phases as the trainer's timeline recorded them, and where the weight versions stand."""
@@ -443,7 +502,8 @@ class TrainingActor:
         from openrlhf_async.rollout.engine import submit
 
         spans = self.timeline.take() + [span for item in items for span in item.spans]
-        for ref in [submit(a, "take_spans") for a in self.weight_sync.engines + self.policy.actors]:
+        critic = self.policy.critic.actors if self.policy.critic is not None else []
+        for ref in [submit(a, "take_spans") for a in self.weight_sync.engines + self.policy.actors + critic]:
             try:
                 spans += ray.get(ref, timeout=30)
             except Exception:  # the actor died meanwhile (or Ray refused the call: an error in place of the ref)
@@ -453,7 +513,7 @@ class TrainingActor:
     def _save_checkpoint(self, step: int) -> None:
         from openrlhf_async.trainer import checkpoint
 
-        state = {"weight_version": self.weight_sync.version, "eval_start": self.eval_start,
+        state = {"weight_version": self.weight_sync.version, "eval_start": self.eval_start, "kl_coef": self.kl.value,
                  "data_position": self.progress.state(),
                  "data": {"num_prompts": self.num_prompts, "seed": self.cfg.train.seed}}
         with self.timeline.span("checkpoint"):

@@ -206,12 +206,8 @@ class PolicyActor:
                 "attn_implementation": attn_implementation(model["attn_implementation"], model["device"])}
         if model["experts_implementation"]:
             load["experts_implementation"] = model["experts_implementation"]
-        policy = _build_model(model_path, load)
-        if model["gradient_checkpointing"]:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
         self.lora = bool(ds.get("lora"))
-        if self.lora:
-            policy = _with_adapter(policy, ds["lora"], model["gradient_checkpointing"])
+        policy = self._build(model_path, load, model, ds)
         trainable = [p for p in policy.parameters() if p.requires_grad]
         adam = dict(lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"])
         if ds["adam_offload"]:  # ZeRO-Offload steps the optimizer on the CPU: DeepSpeed's own CPU Adam (AdamW)
@@ -242,6 +238,15 @@ class PolicyActor:
         self.weight_file = self.held = None  # the hybrid engine's: shared bucket (cpu) or IPC-shared tensors (cuda)
         self.timeline = Timeline(f"rank {rank}")
 
+    def _build(self, model_path, load: dict, model: dict, ds: dict):
+        """The trained model (see model_settings), before DeepSpeed wraps it: the causal LM, with its adapter."""
+        policy = _build_model(model_path, load)
+        if model["gradient_checkpointing"]:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
+        if self.lora:
+            policy = _with_adapter(policy, ds["lora"], model["gradient_checkpointing"])
+        return policy
+
     def _load_reference(self, model_path: str, load: dict, ds_config: dict):
         """The initial policy, frozen, in a DeepSpeed engine of its own config (frozen_model_config)."""
         import deepspeed
@@ -271,17 +276,22 @@ class PolicyActor:
     def _targets(self, samples: list) -> dict:
         """One right-padded row per sample over its target positions (position t predicts token t + 1): the mask of
         the response tokens the model wrote, the rollout log-probs, the advantages, and where the samples have
-        them the proximal policy's ("old_logprobs") and the reference model's ("ref_logprobs") log-probs."""
+        them the proximal policy's ("old_logprobs") and the reference model's ("ref_logprobs") log-probs, and the
+        critic's values and returns ("values", "returns")."""
         width = max(sample_length(s) for s in samples) - 1
         rows = {key: torch.zeros(len(samples), width) for key in ("mask", "logprobs", "advantage")}
-        for key in ("old_logprobs", "ref_logprobs"):
+        per_token = ("old_logprobs", "ref_logprobs", "values", "returns")
+        for key in per_token:
             rows[key] = torch.zeros(len(samples), width) if any(key in s for s in samples) else None
         for i, s in enumerate(samples):
             p, r = len(s["prompt_ids"]), len(s["response_ids"])
             # Tokens the environment wrote (action_mask 0) are not trained.
             rows["mask"][i, p - 1 : p + r - 1] = torch.tensor(s.get("action_mask", [1] * r), dtype=torch.float32)
-            rows["advantage"][i, p - 1 : p + r - 1] = s.get("advantage", 0.0)
-            for key in ("logprobs", "old_logprobs", "ref_logprobs"):
+            # One advantage per sample, or (gae) one per response token.
+            advantage = s.get("advantage", 0.0)
+            rows["advantage"][i, p - 1 : p + r - 1] = (torch.tensor(advantage, dtype=torch.float32)
+                                                       if isinstance(advantage, list) else advantage)
+            for key in ("logprobs", *per_token):
                 if rows[key] is not None and key in s:
                     rows[key][i, p - 1 : p + r - 1] = torch.tensor(s[key], dtype=torch.float32)
         dev = self._device()
@@ -606,22 +616,25 @@ class PolicyActor:
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(os.path.join(path, "merged"))
 
 
-def trainer_placement_group(cfg):
-    """The ranks' placement group, placed: a bundle per rank (as OpenRLHF and veRL place them). Ray refuses an empty
-    bundle, so on cpu a rank's bundle holds a token share of a CPU."""
+def trainer_placement_group(cfg, world_size: int = None):
+    """The ranks' placement group (of world_size ranks; the policy's by default), placed: a bundle per rank (as
+    OpenRLHF and veRL place them). Ray refuses an empty bundle, so on cpu a rank's bundle holds a token share of a
+    CPU."""
     import ray
     from ray.util.placement_group import placement_group
 
     bundle = {"GPU": 1, "CPU": 1} if cfg.device == "cuda" else {"CPU": 0.001}
     if cfg.hybrid and cfg.device == "cpu":  # the engines share these bundles: room for their --vllm.cpus_per_engine
         bundle = {"CPU": max(0.001, cfg.vllm.cpus_per_engine)}
-    group = placement_group([bundle] * cfg.actor.world_size, strategy=cfg.actor.placement_strategy)
+    group = placement_group([bundle] * (world_size or cfg.actor.world_size), strategy=cfg.actor.placement_strategy)
     ray.get(group.ready())
     return group
 
 
 class PolicyGroup:
     """The DeepSpeed ranks as Ray actors, with fan-out helpers the trainer loop calls."""
+
+    actor_class = PolicyActor
 
     def __init__(self, cfg, model_path: str, group=None):
         """group: the placement group to place the ranks in (a bundle each); None: one of their own. The hybrid
@@ -632,10 +645,10 @@ class PolicyGroup:
 
         from openrlhf_async.rollout.engine import HYBRID_GPU_SHARE
 
-        actor_cls = ray.remote(PolicyActor)
-        world = cfg.actor.world_size
+        actor_cls = ray.remote(self.actor_class)
+        world = self.world_size(cfg)
         self.owns_group = group is None or not cfg.hybrid
-        self.group = group or trainer_placement_group(cfg)
+        self.group = group or trainer_placement_group(cfg, world)
 
         def in_bundle(rank: int) -> dict:
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
@@ -647,20 +660,32 @@ class PolicyGroup:
         opts = {"num_gpus": HYBRID_GPU_SHARE if cfg.hybrid else 1, "num_cpus": 0} if cfg.device == "cuda" else {
             "num_cpus": 0}
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))} if cfg.device == "cpu" else {}
-        kwargs = dict(backend=cfg.backend, ds=ds_settings(cfg), seed=cfg.train.seed,
-                      reference=cfg.algo.kl_init_coef > 0, optim=optimizer_settings(cfg), model=model_settings(cfg))
         self.actors = [
             actor_cls.options(**opts, **in_bundle(rank), runtime_env={"env_vars": env}).remote(
-                rank, world, master_addr, master_port, model_path, **kwargs)
+                rank, world, master_addr, master_port, model_path, **self.settings(cfg))
             for rank in range(world)
         ]
         get_all([a.ready.remote() for a in self.actors])
         self.batching = batching_settings(cfg)
+        self.critic = None  # PPO's critic (trainer/critic.py), trained, saved and restarted with the policy
+
+    @staticmethod
+    def world_size(cfg) -> int:
+        return cfg.actor.world_size
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        """Each rank's keyword arguments (PolicyActor)."""
+        return dict(backend=cfg.backend, ds=ds_settings(cfg), seed=cfg.train.seed,
+                    reference=cfg.algo.kl_init_coef > 0, optim=optimizer_settings(cfg), model=model_settings(cfg))
 
     def shutdown(self) -> None:
-        """Kill the ranks and free their placement (a trainer that restarts after a rank died)."""
+        """Kill the ranks and free their placement (a trainer that restarts after a rank died), the critic's too."""
         import ray
         from ray.util.placement_group import remove_placement_group
+
+        if self.critic is not None:
+            self.critic.shutdown()
 
         for actor in self.actors:
             try:
@@ -708,16 +733,26 @@ class PolicyGroup:
         update (recomputed once here), or the rollout's own log-probs (loss_cfg["proximal"] "rollout"). With a
         single update the proximal policy is the current one and nothing is recomputed. Returns the figures'
         means over the updates, and their count."""
-        import random
-
         per_epoch = -(-len(samples) // mini_batch_size)
         updates = epochs * per_epoch
         samples = self._with_reference(samples, loss_cfg)
         if loss_cfg["proximal"] == "rollout":
             samples = [{**s, "old_logprobs": s["logprobs"]} for s in samples]
-        elif updates > 1:
+        elif updates > 1 and not all("old_logprobs" in s for s in samples):  # gae's come with them
             olds = self.logprobs(samples, loss_cfg["temperature"])
             samples = [{**s, "old_logprobs": old} for s, old in zip(samples, olds)]
+        results = self._updates(samples, micro_batch_size, loss_cfg, mini_batch_size, epochs, seed)
+        figures = {key: sum(r[key] for r in results) / len(results) for key in results[0] if key != "tokens"}
+        return {**figures, "grad_norm": results[-1]["grad_norm"], "tokens": sum(r["tokens"] for r in results),
+                "updates": len(results)}
+
+    def _updates(self, samples: list, micro_batch_size: int, loss_cfg: dict, mini_batch_size: int, epochs: int,
+                 seed: int) -> list:
+        """train_step's figures of each update: `epochs` passes over the samples in mini batches, shuffled by seed
+        (the same for the policy and the critic) unless there is only one."""
+        import random
+
+        updates = epochs * -(-len(samples) // mini_batch_size)
         rng, results = random.Random(seed), []
         for _ in range(epochs):
             order = list(range(len(samples)))
@@ -726,9 +761,7 @@ class PolicyGroup:
             for k in range(0, len(order), mini_batch_size):
                 results.append(self.train_step([samples[i] for i in order[k : k + mini_batch_size]], micro_batch_size,
                                                loss_cfg))
-        figures = {key: sum(r[key] for r in results) / len(results) for key in results[0] if key != "tokens"}
-        return {**figures, "grad_norm": results[-1]["grad_norm"], "tokens": sum(r["tokens"] for r in results),
-                "updates": len(results)}
+        return results
 
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
         """One optimizer step on the batch, in micro batches of micro_batch_size samples or, with

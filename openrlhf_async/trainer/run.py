@@ -76,6 +76,7 @@ def start_actors(cfg, model_path: str) -> tuple:
     from concurrent.futures import ThreadPoolExecutor
 
     from openrlhf_async.rollout.fleet import start_fleet
+    from openrlhf_async.trainer.critic import with_critic
     from openrlhf_async.trainer.policy import PolicyGroup, trainer_placement_group
     from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
 
@@ -88,10 +89,11 @@ def start_actors(cfg, model_path: str) -> tuple:
 
         fleet = start_fleet(cfg, model_path, group)
         ray.get(fleet.wait_ready.remote())
-        return fleet, start_hybrid(cfg, model_path, group, fleet)
+        return fleet, with_critic(cfg, start_hybrid(cfg, model_path, group, fleet), model_path)
     with ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(PolicyGroup, cfg, model_path, group)
-        return start_fleet(cfg, model_path), ranks.result()
+        fleet = start_fleet(cfg, model_path)
+        return fleet, with_critic(cfg, ranks.result(), model_path)
 
 
 def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts: list, eval_prompts: list,
@@ -100,6 +102,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
     from the newest complete checkpoint with new ranks (the engines are kept), up to --ckpt.max_auto_resumes times.
     Returns (the trainer's summary, the trainer state it last resumed from, the policy)."""
     from openrlhf_async.trainer import checkpoint
+    from openrlhf_async.trainer.critic import with_critic
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
     from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
@@ -137,6 +140,7 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
             log.close()
         policy.shutdown()
         policy = start_hybrid(cfg, model_path, policy.group, fleet) if cfg.hybrid else PolicyGroup(cfg, model_path)
+        policy = with_critic(cfg, policy, model_path)
         check_shared_folders(cfg, group_nodes(policy.group))  # the new ranks may sit on other nodes
 
 
@@ -146,6 +150,8 @@ def save_model(cfg, policy) -> str:
     from openrlhf_async.utils.metrics import warn
     from openrlhf_async.utils.ray_utils import actor_died, root_cause
 
+    if policy.critic is not None and cfg.critic.save_value_network:  # beside the model, as OpenRLHF names it
+        get_all(policy.critic.call("save_hf", cfg.output_dir.rstrip("/") + "_critic"))
     try:
         get_all(policy.call("save_hf", cfg.output_dir, cfg.ds.lora_save_merged))
         return cfg.output_dir

@@ -1,0 +1,232 @@
+"""PPO's critic (--algo.advantage.estimator gae): a causal LM's body with a value head of one output, as OpenRLHF
+defines its critic and reward models, trained with the clipped value loss by a DeepSpeed group of Ray actors of its
+own beside the policy's (the same ZeRO stages, checkpoints and micro batches: CriticActor is a PolicyActor whose model
+and loss differ).
+
+A value model's files are OpenRLHF's: the body's weights under its own prefix (`model.`), the head's under
+--ds.value_head_prefix (`score.weight`), and for a reward model trained with normalisation its `normalize_reward`,
+`mean` and `std` in config.json."""
+
+import json
+import os
+
+import torch
+
+from openrlhf_async.trainer.batching import Layout, sample_length
+from openrlhf_async.trainer.losses import aggregate, value_loss
+from openrlhf_async.trainer.policy import (
+    EMPTY_SAMPLE,
+    PolicyActor,
+    PolicyGroup,
+    batch_totals,
+    ds_settings,
+    model_settings,
+)
+from openrlhf_async.utils.ray_utils import get_all
+from openrlhf_async.utils.timeline import Timeline
+
+
+class ValueModel(torch.nn.Module):
+    """body (a transformers base model: the causal LM without its output layer) and a linear head of one output
+    named head_prefix: one value per position."""
+
+    def __init__(self, body, head_prefix: str = "score"):
+        super().__init__()
+        self.body_prefix, self.head_prefix, self.config = body.base_model_prefix, head_prefix, body.config
+        setattr(self, self.body_prefix, body)
+        dtype = next(body.parameters()).dtype
+        setattr(self, head_prefix, torch.nn.Linear(body.config.hidden_size, 1, bias=False, dtype=dtype))
+
+    @property
+    def body(self):
+        return getattr(self, self.body_prefix)
+
+    @property
+    def head(self):
+        return getattr(self, self.head_prefix)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+    def save(self, path: str, state: dict) -> None:
+        """The model in OpenRLHF's format (state: the full weights by name, gathered)."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def _stored_head(model_path, name: str):
+    """The head's weight stored in the model's folder (a critic's or a reward model's), or None (a causal LM)."""
+    from safetensors import safe_open
+
+    if not isinstance(model_path, str) or not os.path.isdir(model_path):
+        return None
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            file = json.load(f)["weight_map"].get(name)
+    else:
+        file = "model.safetensors" if os.path.isfile(os.path.join(model_path, "model.safetensors")) else None
+    if file is None:
+        return None
+    with safe_open(os.path.join(model_path, file), "pt") as f:
+        return f.get_tensor(name) if name in f.keys() else None
+
+
+def build_value_model(model_path, load: dict, head_prefix: str = "score") -> ValueModel:
+    """The value model from a folder (a causal LM's: its head starts at random, normal with std 1 / (hidden + 1) as
+    OpenRLHF's; a critic's or reward model's: its stored head), or a transformers config's shape at random."""
+    from transformers import AutoModel, PretrainedConfig
+
+    if isinstance(model_path, PretrainedConfig):
+        body = AutoModel.from_config(model_path, **load)
+    else:
+        body = AutoModel.from_pretrained(model_path, **load)
+    model = ValueModel(body, head_prefix)
+    stored = _stored_head(model_path, f"{head_prefix}.weight")
+    with torch.no_grad():
+        if stored is not None:
+            model.head.weight.copy_(stored.reshape(model.head.weight.shape))
+        else:
+            model.head.weight.normal_(mean=0.0, std=1 / (body.config.hidden_size + 1))
+    return model
+
+
+class CriticActor(PolicyActor):
+    """A critic rank: the policy rank's DeepSpeed engine around a value model, trained with the clipped value loss."""
+
+    def __init__(self, rank: int, *args, **kwargs):
+        super().__init__(rank, *args, **kwargs)
+        self.timeline = Timeline(f"critic {rank}")
+
+    def _build(self, model_path, load: dict, model: dict, ds: dict):
+        critic = build_value_model(model_path, load, ds["value_head_prefix"])
+        if model["gradient_checkpointing"]:
+            critic.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
+        return critic
+
+    def _values(self, samples: list, layout: dict) -> torch.Tensor:
+        """[B, T] values at each sample's target positions (position t is the state before token t + 1)."""
+        inputs = Layout.of(samples, layout["packing"]).to(self._device())
+        values = self.engine(input_ids=inputs.ids, attention_mask=inputs.attention_mask,
+                             position_ids=inputs.position_ids)
+        return inputs.per_sample(values[:, :-1].float())
+
+    @torch.no_grad()
+    def values(self, micro_batches: list, layout: dict) -> list:
+        """Each sample's values at its response positions; per micro batch, a list per sample."""
+        with self.timeline.span("critic"):
+            self.engine.eval()
+            out = []
+            for micro in micro_batches:
+                values = self._values(micro or [EMPTY_SAMPLE], layout)
+                out.append([values[i, len(s["prompt_ids"]) - 1 : sample_length(s) - 1].tolist()
+                            for i, s in enumerate(micro)])
+            return out
+
+    def train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
+        with self.timeline.span("critic"):
+            return self._train_step(micro_batches, totals, loss_cfg, layout)
+
+    def _train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
+        """One optimizer step of the value loss (the clipped one, token-mean over the batch's response tokens the
+        model wrote, as OpenRLHF's ValueLoss)."""
+        self.engine.train()
+        figures = {"value_loss": 0.0, "value_clipped": 0.0, "values": 0.0}
+        share = dict(global_tokens=totals["tokens"], global_sequences=totals["sequences"])
+        for k, micro in enumerate(micro_batches):
+            micro = micro or [EMPTY_SAMPLE]
+            rows = self._targets(micro)
+            mask = rows["mask"]
+            values = self._values(micro, layout)
+            old, returns = (rows[key] if rows[key] is not None else torch.zeros_like(values)
+                            for key in ("values", "returns"))
+            loss = aggregate(value_loss(values, old, returns, loss_cfg["value_clip"]), mask, "token-mean", **share)
+            self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            figures["value_loss"] += float(loss)
+            if loss_cfg["value_clip"] is not None:
+                figures["value_clipped"] += float((((values - old).abs() > loss_cfg["value_clip"]) * mask).sum())
+            figures["values"] += float((values.detach() * mask).sum())
+        self.engine.set_gradient_accumulation_boundary(True)
+        lr = self.engine.get_lr()[0]
+        plain_norm = self._grad_norm() if self.zero_stage == 0 else None
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = plain_norm if grad_norm is None else grad_norm
+        return {**figures, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": lr}
+
+    def save_hf(self, path: str, merged: bool = False) -> None:
+        """The critic in OpenRLHF's format (--critic.save_value_network), from rank 0."""
+        import deepspeed
+
+        state = {}
+        for name, param in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], enabled=self.zero_stage == 3):
+                if self.rank == 0:
+                    state[name] = param.data.detach().cpu().clone()
+        if self.rank == 0:
+            self.engine.module.save(path, state)
+
+
+class CriticGroup(PolicyGroup):
+    """The critic's ranks (--critic.num_nodes x --critic.num_gpus_per_node), a placement group of their own."""
+
+    actor_class = CriticActor
+
+    @staticmethod
+    def world_size(cfg) -> int:
+        return cfg.critic.world_size
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        c = cfg.critic
+        optim = {"lr": c.adam_lr, "betas": c.adam_betas, "eps": c.adam_eps, "weight_decay": c.adam_weight_decay,
+                 "max_norm": c.max_norm, "scheduler": c.lr_scheduler, "warmup_ratio": c.lr_warmup_ratio,
+                 "min_lr_ratio": c.min_lr_ratio, "total_steps": PolicyGroup.settings(cfg)["optim"]["total_steps"]}
+        ds = {**ds_settings(cfg), "lora": None, "enable_sleep": False, "value_head_prefix": cfg.ds.value_head_prefix}
+        return dict(backend=cfg.backend, ds=ds, seed=cfg.train.seed, reference=False, optim=optim,
+                    model=model_settings(cfg))
+
+    def values(self, samples: list) -> list:
+        """Each sample's values at its response positions, in the log-prob passes' micro batches."""
+        b = self.batching
+        batches, indices = self._plan(samples, b["logprobs_micro_batch_size"], b["logprobs_max_tokens"])
+        results = get_all([a.values.remote(micro, b) for a, micro in zip(self.actors, batches)])
+        out = [None] * len(samples)
+        for rank_indices, rank_results in zip(indices, results):
+            for batch, values in zip(rank_indices, rank_results):
+                for i, v in zip(batch, values):
+                    out[i] = v
+        return out
+
+    def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
+        totals = batch_totals(samples)
+        batches, _ = self._plan(samples, micro_batch_size, self.batching["max_tokens"])
+        results = get_all([a.train_step.remote(micro, totals, loss_cfg, self.batching)
+                           for a, micro in zip(self.actors, batches)])
+        total = {key: sum(r[key] for r in results) for key in ("value_loss", "value_clipped", "values")}
+        tokens = totals["tokens"]
+        return {"critic/value_loss": total["value_loss"], "critic/clip_ratio": total["value_clipped"] / tokens,
+                "critic/values_mean": total["values"] / tokens, "critic/grad_norm": results[0]["grad_norm"],
+                "critic/lr": results[0]["lr"]}
+
+    def train_batch(self, samples: list, micro_batch_size: int, loss_cfg: dict, mini_batch_size: int, epochs: int,
+                    seed: int = 0) -> dict:
+        """The value loss's updates on a rollout batch, in the policy's mini batches and epochs (the same shuffles):
+        the samples carry the values their returns were computed with ("values") and the returns."""
+        results = self._updates(samples, micro_batch_size, loss_cfg, mini_batch_size, epochs, seed)
+        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+
+
+def with_critic(cfg, policy, model_path: str):
+    """The policy group with PPO's critic beside it when the run trains one (--algo.advantage.estimator gae): from
+    --critic.model_name_or_path, else the actor's model (its head then starts at random)."""
+    if cfg.algo.advantage_estimator == "gae":
+        policy.critic = CriticGroup(cfg, cfg.critic.model_name_or_path or model_path)
+    return policy
