@@ -81,7 +81,6 @@ def setting(default, help: str, choices: tuple = None, range: str = None, flag: 
 
 
 _NO_MUON_REFUSED = "refused: only the adam optimizer is built"
-_NO_REWARD_MODEL = "no effect: rewards come from the agent, a reward_func file or a reward service, not a model"
 _NO_MUON = "no effect: only the adam optimizer is built (--actor.optim muon is refused)"
 _REF_ON_POLICY = "no effect: the reference model always sits on the policy's ranks, partitioned like it"
 
@@ -376,8 +375,8 @@ class TrainConfig:
                                         "OpenRLHF's async trainer does",
                                  openrlhf="same")
     colocate_critic_reward: bool = setting(False, "colocate critic and reward model",
-                                           openrlhf="no effect: the critic has ranks of its own, and no reward model "
-                                                    "runs here")
+                                           openrlhf="no effect: the critic's ranks and the reward models' actors "
+                                                    "take devices of their own")
     enable_ema: bool = setting(False, "keep an EMA copy of the weights", openrlhf="refused: EMA weights are not built")
     ema_beta: float = setting(0.992, "EMA coefficient", openrlhf="no effect: EMA weights are not built")
     dynamic_batch_enable: bool = setting(False, "micro batches of a token budget (--train.max_tokens_per_gpu) instead "
@@ -516,13 +515,20 @@ class RewardConfig:
     remote_url: Optional[str] = setting(None, "reward source scoring each finished episode instead of the agent's "
                                               "own reward: reward service URL(s) (comma-separated, POST /score) or "
                                               "an OpenRLHF reward_func .py file", type=str, openrlhf="same")
-    model_name_or_path: Optional[str] = setting(None, "reward model", type=str,
-                                                openrlhf="refused: reward models are not supported; use a reward "
-                                                         "service, a reward_func file or an agent")
-    num_nodes: int = setting(1, "reward model nodes", openrlhf=_NO_REWARD_MODEL)
-    num_gpus_per_node: int = setting(8, "reward model GPUs per node", openrlhf=_NO_REWARD_MODEL)
-    offload: bool = setting(False, "offload the reward model", openrlhf=_NO_REWARD_MODEL)
-    normalize_enable: bool = setting(False, "normalise a reward model's output", openrlhf=_NO_REWARD_MODEL)
+    model_name_or_path: Optional[str] = setting(None, "reward model(s) in OpenRLHF's format (a causal LM body with a "
+                                                      "one-output head), comma-separated: each scores every finished "
+                                                      "episode's text, their rewards add up (and add to "
+                                                      "--reward.remote_url's)", type=str,
+                                                openrlhf="differs: several models add up (0.11.2 loads one), and "
+                                                         "they add to a reward_func's or an agent's reward where "
+                                                         "0.11.2 uses them only without either")
+    num_nodes: int = setting(1, "reward model nodes", range=">= 1", openrlhf="same")
+    num_gpus_per_node: int = setting(8, "reward model actors (GPUs) per node, per model: each holds it whole",
+                                     range=">= 1", openrlhf="same")
+    offload: bool = setting(False, "offload the reward model",
+                            openrlhf="no effect: each reward-model actor holds its model whole on its device")
+    normalize_enable: bool = setting(False, "a reward model's reward less the mean, over the std stored in its "
+                                            "config.json", openrlhf="same")
     clip_range: tuple = setting((-10.0, 10.0), "the reward the advantages see is clipped into [low, high]",
                                 range="low <= high", openrlhf="same")
     overlong_buffer_len: Optional[float] = setting(None, "DAPO overlong shaping: penalise responses within this many "
@@ -548,7 +554,9 @@ class RewardConfig:
     def source(self) -> dict:
         """make_reward's arguments."""
         return {"remote_url": self.remote_url or "", "timeout": self.timeout, "retries": self.retries,
-                "max_concurrency": self.max_concurrency, "workers": self.workers}
+                "max_concurrency": self.max_concurrency, "workers": self.workers,
+                # the reward-model actors' names, per model: set by the run once they started (reward/model.py)
+                "models": getattr(self, "models", ())}
 
 
 _SPEED_ONLY = "no effect: a speed/memory kernel this system does not use"
@@ -1152,6 +1160,10 @@ def _validate_algo(cfg: Config) -> None:
             flags = ", ".join("--critic." + name.replace("adam_", "adam.").replace("muon_", "muon.") for name in changed)
             notice(f"{flags} {'has' if len(changed) == 1 else 'have'} no effect without --algo.advantage.estimator gae "
                    f"(no critic is trained with {a.advantage_estimator})")
+    if cfg.reward.model_name_or_path and cfg.hybrid:
+        raise ConfigError("--reward.model_name_or_path with --train.colocate_all in sync mode (the hybrid engine): "
+                          "reward models beside the sleeping engines are not built yet; give them devices of their "
+                          "own (drop --train.colocate_all) or score with --reward.remote_url")
     if a.advantage_estimator == "gae" and cfg.hybrid:
         raise ConfigError("--algo.advantage.estimator gae with --train.colocate_all in sync mode (the hybrid engine): "
                           "a critic beside the sleeping engines is not built yet; run the critic on devices of its own "
@@ -1214,6 +1226,12 @@ def _validate_model(cfg: Config) -> None:
         raise ConfigError(f"--actor.model_name_or_path {model}: no such model folder or .gguf file (give a local HF "
                           "model folder, a .gguf file, a Hugging Face id such as Qwen/Qwen3-8B-Base, or nothing for "
                           "the embedded tiny model)")
+    for flag, value in (("--critic.model_name_or_path", cfg.critic.model_name_or_path),
+                        ("--reward.model_name_or_path", cfg.reward.model_name_or_path)):
+        for path in [p.strip() for p in (value or "").split(",") if p.strip()]:
+            if not os.path.isdir(path) and not is_hub_id(path):
+                raise ConfigError(f"{flag} {path}: no such model folder (give a local folder of a causal LM or of a "
+                                  "critic / reward model in OpenRLHF's format, or a Hugging Face id)")
     positions = _model_positions(model)
     if isinstance(positions, int) and cfg.data.max_len > positions:
         notice(f"--data.max_len {cfg.data.max_len} is above the model's max_position_embeddings ({positions}): "
@@ -1423,6 +1441,12 @@ def check_local_cores(cfg: Config) -> None:
         raise ConfigError(f"--critic.num_nodes {c.num_nodes} x --critic.num_gpus_per_node {c.num_gpus_per_node}: "
                           f"{c.world_size} critic ranks on cpu need a core each and this machine has {cores}; lower "
                           "--critic.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
+    r = cfg.reward
+    if r.model_name_or_path and r.num_nodes * r.num_gpus_per_node > cores:
+        raise ConfigError(f"--reward.num_nodes {r.num_nodes} x --reward.num_gpus_per_node {r.num_gpus_per_node}: "
+                          f"{r.num_nodes * r.num_gpus_per_node} reward-model actors per model on cpu need a core each "
+                          f"and this machine has {cores}; lower --reward.num_gpus_per_node, or run on a Ray cluster "
+                          "(RAY_ADDRESS)")
     engine_cores = cfg.num_engines * cfg.vllm.cpus_per_engine
     if engine_cores > cores:
         raise ConfigError(f"--vllm.num_engines {cfg.num_engines} x --vllm.cpus_per_engine "

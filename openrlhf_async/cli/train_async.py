@@ -107,15 +107,19 @@ def load_datasets(cfg, builtin_dir: str):
 
 
 def resources(cfg) -> dict:
-    """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda), DeepSpeed ranks, and with gae
-    the critic's ranks (a GPU each)."""
+    """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda), DeepSpeed ranks, with gae the
+    critic's ranks, and the reward models' actors (a GPU each)."""
     engine_gpus = cfg.num_engines * cfg.vllm.tensor_parallel_size
     critic = cfg.critic.world_size if cfg.algo.advantage_estimator == "gae" else 0
+    r = cfg.reward
+    reward_models = len([p for p in (r.model_name_or_path or "").split(",") if p.strip()]) * r.num_nodes * \
+        r.num_gpus_per_node
     # The hybrid engine's engines share the trainer's GPUs (validate checked that they cover them exactly).
     gpus = max(engine_gpus, cfg.actor.world_size) if cfg.hybrid else engine_gpus + cfg.actor.world_size
     return {"device": cfg.device, "vllm_engines": cfg.num_engines,
             "tensor_parallel_size": cfg.vllm.tensor_parallel_size, "trainer_ranks": cfg.actor.world_size,
-            "critic_ranks": critic, "hybrid": cfg.hybrid, "gpus": gpus + critic if cfg.device == "cuda" else 0}
+            "critic_ranks": critic, "reward_model_actors": reward_models, "hybrid": cfg.hybrid,
+            "gpus": gpus + critic + reward_models if cfg.device == "cuda" else 0}
 
 
 def check_cluster(cfg) -> None:
@@ -131,6 +135,8 @@ def check_cluster(cfg) -> None:
                           f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}{shared} "
                           f"{cfg.actor.world_size} trainer ranks"
                           + (f" + {cfg.critic.world_size} critic ranks" if resources(cfg)["critic_ranks"] else "")
+                          + (f" + {resources(cfg)['reward_model_actors']} reward-model actors"
+                             if resources(cfg)["reward_model_actors"] else "")
                           + f") and the Ray cluster has {have}; lower them or use "
                           "--device cpu")
 

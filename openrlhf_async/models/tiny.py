@@ -154,9 +154,7 @@ def warm_start(
         loss = model(**_sft_batch(tokenizer, _teacher_rows(rng.sample(rows, batch), carry_error, rng))).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
     model.eval()
 
 
@@ -205,6 +203,72 @@ def build_tiny_model(cache_dir: str, **settings) -> str:
             os.rename(tmp, final)
         except OSError:
             if not _is_complete(final):  # lost a race only counts if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_tiny_reward_model(cache_dir: str, steps: int = 1000, batch: int = 32, lr: float = 1e-3, seed: int = 0) -> str:
+    """A reward model in OpenRLHF's format built from the tiny model's body and trained here (under a minute on a CPU)
+    to prefer a right answer to a wrong one on the train pool's questions (pairwise loss, -log sigmoid(r_right -
+    r_wrong), as OpenRLHF's reward-model training): wrong is the carry slip where there is one, else an answer off by
+    1-9. Saved with the (mean, std) of its rewards over the pool in config.json, as OpenRLHF's train_rm stores them.
+    Built once per settings (cached); returns its folder."""
+    from openrlhf_async.trainer.critic import build_value_model
+
+    policy = build_tiny_model(cache_dir)
+    settings = {"reward_model": True, "policy": os.path.basename(policy), "steps": steps, "batch": batch, "lr": lr,
+                "seed": seed}
+    final = _settings_dir(cache_dir, settings)
+    if _is_complete(final):
+        return final
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(policy)
+    model = build_value_model(policy, {"dtype": torch.float32})
+
+    def text(row, answer):
+        return tokenizer.encode(prompt_text(tokenizer, row["prompt"])) + tokenizer.encode(answer) + [
+            tokenizer.eos_token_id]
+
+    def rewards(seqs):
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+        values = model(ids, attention_mask=mask)
+        return values.gather(1, (mask.sum(-1) - 1).unsqueeze(1)).squeeze(1)
+
+    def wrong(row):
+        slip = carry_slip_answer(row["prompt"])
+        return slip if slip is not None else str(int(row["label"]) + rng.choice([-1, 1]) * rng.randint(1, 9))
+
+    rows = train_pool(DEFAULT_A_RANGE, DEFAULT_B_RANGE, DEFAULT_OPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        picked = rng.sample(rows, batch)
+        scores = rewards([text(r, r["label"]) for r in picked] + [text(r, wrong(r)) for r in picked])
+        loss = -torch.nn.functional.logsigmoid(scores[:batch] - scores[batch:]).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        sample = rng.sample(rows, 256)
+        pool = rewards([text(r, r["label"]) for r in sample] + [text(r, wrong(r)) for r in sample])
+    model.config.normalize_reward, model.config.value_head_prefix = True, "score"
+    model.config.mean, model.config.std = float(pool.mean()), max(float(pool.std()), 1e-8)
+    tmp = tempfile.mkdtemp(prefix=".tmp-tiny-rm-", dir=cache_dir)
+    try:
+        model.save(tmp, {k: v.detach() for k, v in model.state_dict().items()})
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

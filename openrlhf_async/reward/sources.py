@@ -253,10 +253,16 @@ class RemoteReward:
 
 
 def make_reward(remote_url: str = "", timeout: float = 30.0, retries: int = 5, max_concurrency: int = 64,
-                workers: int = 0):
+                workers: int = 0, models: tuple = ()):
     """The run's reward source from --reward.remote_url, which (as in OpenRLHF) is either reward service URLs
-    (comma-separated) or a reward_func .py file; None when it is empty. workers: run a plain def reward_func in
+    (comma-separated) or a reward_func .py file, and the reward models' actors (models: their names per model,
+    reward/model.py), whose rewards add to it; None when there is neither. workers: run a plain def reward_func in
     that many worker processes (a hung call killed) instead of threads of the engine's process."""
+    if models:
+        from openrlhf_async.reward.model import ModelReward, SumReward
+
+        rule = make_reward(remote_url, timeout, retries, max_concurrency, workers)
+        return ModelReward(models, timeout) if rule is None else SumReward([rule, ModelReward(models, timeout)])
     if remote_url.endswith(".py"):
         return load_reward_func(remote_url, timeout, "--reward.remote_url", workers, max_concurrency)
     if not remote_url:

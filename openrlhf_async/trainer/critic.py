@@ -226,7 +226,10 @@ class CriticGroup(PolicyGroup):
 
 def with_critic(cfg, policy, model_path: str):
     """The policy group with PPO's critic beside it when the run trains one (--algo.advantage.estimator gae): from
-    --critic.model_name_or_path, else the actor's model (its head then starts at random)."""
+    --critic.model_name_or_path, else as OpenRLHF picks it: the (first) reward model when it alone scores (no
+    --reward.remote_url, no --train.agent_func_path), else the actor's model (its head then starts at random)."""
     if cfg.algo.advantage_estimator == "gae":
-        policy.critic = CriticGroup(cfg, cfg.critic.model_name_or_path or model_path)
+        reward_models = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
+        alone = reward_models and not cfg.reward.remote_url and not cfg.agent.func_path
+        policy.critic = CriticGroup(cfg, cfg.critic.model_name_or_path or (reward_models[0] if alone else model_path))
     return policy

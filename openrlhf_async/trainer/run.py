@@ -82,6 +82,10 @@ def start_actors(cfg, model_path: str) -> tuple:
 
     group = trainer_placement_group(cfg)
     check_shared_folders(cfg, group_nodes(group))
+    if cfg.reward.model_name_or_path:  # before the engines, which score with them
+        from openrlhf_async.reward.model import start_reward_models
+
+        cfg.reward.models = start_reward_models(cfg)
     if cfg.hybrid:  # the engines first, in the ranks' bundles (trainer/hybrid.py)
         import ray
 

@@ -1,0 +1,167 @@
+"""Reward models (--reward.model_name_or_path): OpenRLHF's reward-model checkpoints (a causal LM body with a one-output
+`score` head, trainer/critic.py's ValueModel) served by Ray actors that score finished episodes as they arrive.
+
+Each actor holds the model whole (one per --reward.num_gpus_per_node x --reward.num_nodes) and scores the text of an
+episode (prompt and response, as OpenRLHF's serve_rm takes it) with the model's own tokenizer: the value at the last
+token, normalised by the (mean, std) stored in its config.json with --reward.normalize_enable. Calls that arrive
+while a forward runs wait and go together into the next one, so episodes finishing across groups and engines are
+batched (at most --rollout.micro_batch_size sequences a forward). Several models (comma-separated) each score every
+episode; their rewards add up. ModelReward is the engines' reward source over the actors (reward/sources.py's
+interface): a dead or hung actor is a counted reward error, the run goes on."""
+
+import asyncio
+import itertools
+import os
+import uuid
+
+import torch
+
+NAMESPACE = "openrlhf_async"  # the reward-model actors' Ray namespace: named per run, found by the engines
+_STARTED = []
+
+
+class RewardModelActor:
+    """One reward model, scoring texts in batches (a Ray actor with an event loop: calls run concurrently)."""
+
+    def __init__(self, model_path: str, head_prefix: str, dtype: str, device: str, normalize: bool, max_len: int,
+                 micro_batch_size: int):
+        from transformers import AutoTokenizer
+
+        from openrlhf_async.trainer.critic import build_value_model
+        from openrlhf_async.trainer.policy import TORCH_DTYPES
+
+        self.model = build_value_model(model_path, {"dtype": TORCH_DTYPES[dtype]}, head_prefix).eval()
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self.model.to(self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        config = self.model.config
+        self.shift, self.scale = ((getattr(config, "mean", 0.0), getattr(config, "std", 1.0)) if normalize
+                                  else (0.0, 1.0))
+        self.max_len, self.micro_batch_size = max_len, micro_batch_size
+        self.pending, self.busy = [], False
+        self.figures = {"forwards": 0, "sequences": 0}
+
+    def ready(self) -> bool:
+        return True
+
+    def stats(self) -> dict:
+        return dict(self.figures)
+
+    async def score(self, texts: list) -> list:
+        """The model's reward of each text; batched with the calls that arrive while a forward runs."""
+        done = asyncio.get_running_loop().create_future()
+        self.pending.append((texts, done))
+        if not self.busy:
+            self.busy = True
+            asyncio.ensure_future(self._drain())
+        return await done
+
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                calls, self.pending = self.pending, []
+                texts = [t for batch, _ in calls for t in batch]
+                try:
+                    rewards = await asyncio.to_thread(self._forward, texts)
+                except Exception as e:  # every waiting call fails with it: counted as reward errors
+                    for _, done in calls:
+                        done.set_exception(RuntimeError(f"reward model: {type(e).__name__}: {e}"))
+                    continue
+                at = 0
+                for batch, done in calls:
+                    done.set_result(rewards[at : at + len(batch)])
+                    at += len(batch)
+        finally:
+            self.busy = False
+
+    @torch.no_grad()
+    def _forward(self, texts: list) -> list:
+        out = []
+        for k in range(0, len(texts), self.micro_batch_size):
+            batch = self.tokenizer(texts[k : k + self.micro_batch_size], add_special_tokens=False, truncation=True,
+                                   max_length=self.max_len, padding=True, return_tensors="pt")
+            ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+            # Right or left padding alike: position ids count the real tokens; the reward is at the last one.
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            values = self.model(ids, attention_mask=mask, position_ids=positions).float()
+            last = mask.shape[1] - 1 - mask.long().flip(-1).argmax(-1)
+            out += ((values.gather(1, last.unsqueeze(1)).squeeze(1) - self.shift) / self.scale).tolist()
+            self.figures["forwards"] += 1
+        self.figures["sequences"] += len(texts)
+        return out
+
+
+def start_reward_models(cfg) -> tuple:
+    """The run's reward-model actors, named so that the engines find them (ray.get_actor): one group of
+    --reward.num_nodes x --reward.num_gpus_per_node per model in --reward.model_name_or_path. Returns their names,
+    per model."""
+    import ray
+
+    r = cfg.reward
+    paths = [p.strip() for p in (r.model_name_or_path or "").split(",") if p.strip()]
+    run = uuid.uuid4().hex[:12]
+    opts = {"num_gpus": 1, "num_cpus": 0} if cfg.device == "cuda" else {"num_cpus": 0}
+    names, actors = [], []
+    for m, path in enumerate(paths):
+        group = [f"openrlhf_async-reward-{run}-{m}-{i}" for i in range(r.num_nodes * r.num_gpus_per_node)]
+        for name in group:
+            actors.append(ray.remote(RewardModelActor).options(name=name, namespace=NAMESPACE, max_concurrency=1000,
+                                                               **opts).remote(
+                path, cfg.ds.value_head_prefix, cfg.dtype, cfg.device, r.normalize_enable, cfg.data.max_len,
+                cfg.rollout.micro_batch_size))
+        names.append(tuple(group))
+    ray.get([a.ready.remote() for a in actors])
+    _STARTED.extend(actors)  # a named actor still ends when its creator drops every handle: the driver keeps them
+    return tuple(names)
+
+
+class ModelReward:
+    """The engines' reward source over the reward-model actors: each model scores the episode's text (its group's
+    actors taken in turn), the rewards add up; a call that fails or outlasts the timeout raises (a counted reward
+    error or timeout). A call waits for the forward running before its own: it may take --reward.timeout + 60 s."""
+
+    def __init__(self, names: tuple, timeout: float = 30.0):
+        self.names, self.timeout = names, timeout + 60.0
+        self.turns = [itertools.cycle(range(len(group))) for group in names]
+        self.actors = {}
+
+    def _actor(self, name: str):
+        import ray
+
+        if name not in self.actors:
+            self.actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return self.actors[name]
+
+    async def score(self, queries: list, prompts: list, labels: list) -> list:
+        from openrlhf_async.reward.sources import RewardTimeout, check_reward
+
+        calls = [self._actor(group[next(turn)]).score.remote(queries) for group, turn in zip(self.names, self.turns)]
+        try:
+            per_model = await asyncio.wait_for(asyncio.gather(*calls), self.timeout)
+        except asyncio.TimeoutError:
+            raise RewardTimeout(f"a reward model took more than {self.timeout:g} s") from None
+        totals = [sum(check_reward(model[i], "reward model's reward") for model in per_model)
+                  for i in range(len(queries))]
+        return [{"reward": total, "score": total, "extra": {f"reward_model_{m}": model[i]
+                                                            for m, model in enumerate(per_model)}}
+                for i, total in enumerate(totals)]
+
+    async def close(self):
+        pass
+
+
+class SumReward:
+    """Several reward sources scoring every episode (a reward_func or service and reward models): rewards and scores
+    add up, logs merge."""
+
+    def __init__(self, sources: list):
+        self.sources = sources
+
+    async def score(self, queries: list, prompts: list, labels: list) -> list:
+        results = await asyncio.gather(*(s.score(queries, prompts, labels) for s in self.sources))
+        return [{"reward": sum(r[i]["reward"] for r in results), "score": sum(r[i]["score"] for r in results),
+                 "extra": {k: v for r in results for k, v in r[i]["extra"].items()}} for i in range(len(queries))]
+
+    async def close(self):
+        for s in self.sources:
+            await s.close()

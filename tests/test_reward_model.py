@@ -1,0 +1,226 @@
+"""Reward models (--reward.model_name_or_path): a tiny one trained here to prefer right answers, scored by actors that
+batch the episodes arriving together, equal to a plain transformers forward of the same checkpoint, behind OpenRLHF's
+serve_rm protocol too; an actor that dies or hangs is a counted reward error."""
+
+import asyncio
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from test_hybrid import inputs  # noqa: F401 (the scripts' local files, a fixture)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tiny_model_path):
+    from openrlhf_async.config import default_cache_dir
+    from openrlhf_async.models.tiny import build_tiny_reward_model
+
+    return build_tiny_reward_model(default_cache_dir())
+
+
+def _texts(tokenizer, rows, wrong: bool):
+    from openrlhf_async.data.synthetic import carry_slip_answer
+    from openrlhf_async.models.tiny import prompt_text
+
+    out = []
+    for r in rows:
+        answer = (carry_slip_answer(r["prompt"]) or str(int(r["label"]) + 3)) if wrong else r["label"]
+        out.append(prompt_text(tokenizer, r["prompt"]) + answer + tokenizer.eos_token)
+    return out
+
+
+def _actor(path, normalize=True, micro_batch_size=64):
+    from openrlhf_async.reward.model import RewardModelActor
+
+    return RewardModelActor(path, "score", "fp32", "cpu", normalize, 256, micro_batch_size)
+
+
+def test_the_tiny_reward_model_prefers_the_right_answer_on_held_out_questions(tiny_reward_model):
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.data.synthetic import make_arithmetic_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model)
+    rows = make_arithmetic_rows(180, seed=1, split="eval")
+    actor = _actor(tiny_reward_model)
+    right, wrong = (asyncio.run(actor.score(_texts(tokenizer, rows, w))) for w in (False, True))
+    # A 2-layer character-level model: 0.78 of the pairs (the carry slip, the policy's own mistake, is the hard one).
+    assert sum(r > w for r, w in zip(right, wrong)) / len(rows) >= 0.7
+
+
+def test_a_reward_model_scores_as_a_plain_transformers_forward_normalised_by_its_stored_mean_and_std(
+        tiny_reward_model):
+    from transformers import AutoTokenizer, Qwen2ForSequenceClassification
+
+    from openrlhf_async.data.synthetic import make_arithmetic_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model)
+    texts = _texts(tokenizer, make_arithmetic_rows(6, seed=2, split="eval"), False)
+    texts[1] = texts[1] + "123456"  # different lengths in one batch: padding must not move the reward
+    plain = Qwen2ForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1).eval()
+    config = json.load(open(os.path.join(tiny_reward_model, "config.json")))
+    with torch.no_grad():
+        expected = [(plain(**tokenizer(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+                     - config["mean"]) / config["std"] for t in texts]
+    got = asyncio.run(_actor(tiny_reward_model).score(texts))
+    assert got == pytest.approx(expected, abs=1e-4)
+    raw = asyncio.run(_actor(tiny_reward_model, normalize=False).score(texts))
+    assert raw == pytest.approx([e * config["std"] + config["mean"] for e in expected], abs=1e-4)
+
+
+def test_calls_arriving_together_share_one_forward(tiny_reward_model):
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.data.synthetic import make_arithmetic_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model)
+    texts = _texts(tokenizer, make_arithmetic_rows(12, seed=3, split="eval"), False)
+    actor = _actor(tiny_reward_model, micro_batch_size=8)
+    alone = [asyncio.run(actor.score([t]))[0] for t in texts]
+    before = actor.stats()["forwards"]
+
+    async def together():
+        return await asyncio.gather(*(actor.score([t]) for t in texts))
+
+    results = asyncio.run(together())
+    assert [r[0] for r in results] == pytest.approx(alone, abs=1e-5)
+    assert actor.stats()["forwards"] - before == 2  # 12 episodes: one batch, in micro batches of 8
+
+
+def test_openrlhfs_serve_rm_protocol_works_as_a_remote_url(tiny_reward_model):
+    """A server answering as OpenRLHF's serve_rm does (POST /get_reward {"query": [...]} -> {"rewards", "scores",
+    "extra_logs"}), backed by the tiny reward model, scores through --reward.remote_url."""
+    from aiohttp import web
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.data.synthetic import make_arithmetic_rows
+    from openrlhf_async.reward.sources import make_reward
+    from openrlhf_async.utils.ports import free_port
+
+    actor = _actor(tiny_reward_model)
+
+    async def get_reward(request):
+        body = await request.json()
+        rewards = await actor.score(body["query"])
+        return web.json_response({"rewards": rewards, "scores": rewards, "extra_logs": {"dummy_scores": rewards}})
+
+    port, started = free_port(), threading.Event()
+    loop = asyncio.new_event_loop()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_post("/get_reward", get_reward)
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert started.wait(30)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model)
+        texts = _texts(tokenizer, make_arithmetic_rows(4, seed=4, split="eval"), False)
+        source = make_reward(remote_url=f"http://127.0.0.1:{port}/get_reward", timeout=30.0)
+
+        async def scored():
+            try:
+                return [(await source.score([t], [""], [""]))[0] for t in texts]
+            finally:
+                await source.close()
+
+        results = asyncio.run(scored())
+        direct = asyncio.run(_actor(tiny_reward_model).score(texts))
+        assert [r["reward"] for r in results] == pytest.approx(direct, abs=1e-5)
+        assert all(r["extra"]["dummy_scores"] == pytest.approx(r["reward"]) for r in results)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+
+
+# ---- on Ray: the actors the engines reach -------------------------------------------------------------------------
+
+class _Hanging:
+    async def score(self, texts):
+        await asyncio.sleep(3600)
+
+
+def test_a_dead_or_hung_reward_model_is_a_counted_reward_error_not_a_hung_episode(ray_cluster, tiny_reward_model):
+    import ray
+
+    from openrlhf_async.reward.model import ModelReward
+    from openrlhf_async.rollout.episode import Episode
+    from openrlhf_async.rollout.group_runner import rescored
+
+    ray.remote(_Hanging).options(name="test-hanging-rm").remote()
+    gone = ray.remote(_Hanging).options(name="test-dead-rm").remote()
+    ray.kill(gone)
+
+    class Tok:
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    async def episode():
+        return Episode(request_id="r", prompt_ids=[1, 2], response_ids=[3], logprobs=[0.0], action_mask=[1],
+                       reward=1.0, raw_reward=1.0, score=1.0)
+
+    hung = ModelReward((("test-hanging-rm",),), timeout=0.0)
+    hung.timeout = 1.0  # the engines' allowance is --reward.timeout + 60 s: shortened here
+    dead = ModelReward((("test-dead-rm",),), timeout=1.0)
+    for source, kind in ((hung, "reward_timeout"), (dead, "reward_error")):
+        ep = asyncio.run(rescored(episode(), source, Tok(), "", ""))
+        assert ep.error[0] == kind and ep.raw_reward == 0.0, ep.error
+
+
+# ---- OpenRLHF's PPO command line (0.11, its slurm example: critic, reward model, reference, 4 GPUs each) ------------
+
+PPO_SCRIPT = """
+    --ref.num_nodes 1 --ref.num_gpus_per_node 4 --reward.num_nodes 1 --reward.num_gpus_per_node 4
+    --critic.num_nodes 1 --critic.num_gpus_per_node 4 --actor.num_nodes 1 --actor.num_gpus_per_node 4
+    --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_critic_reward --train.colocate_actor_ref
+    --actor.model_name_or_path {model} --reward.model_name_or_path {reward_model} --ckpt.output_dir {save}
+    --ckpt.path {save}/ckpt --ckpt.save_hf --train.micro_batch_size 8 --train.batch_size 128
+    --rollout.micro_batch_size 16 --rollout.batch_size 1024 --train.max_epochs 1 --data.max_len 2048
+    --rollout.max_new_tokens 1024 --data.max_samples 100000 --ds.zero_stage 3 --ds.param_dtype bf16
+    --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset {data}
+    --data.input_key context_messages --data.apply_chat_template --reward.normalize_enable --ds.adam_offload
+    --actor.gradient_checkpointing_enable --ds.packing_samples"""
+
+
+def _ppo_flags(inputs, model, reward_model) -> list:
+    files = {"model": model, "reward_model": reward_model, "data": inputs / "prompts.jsonl", "save": inputs / "exp"}
+    return PPO_SCRIPT.format(**{k: str(v) for k, v in files.items()}).split()
+
+
+def test_openrlhfs_ppo_command_line_passes_the_dry_run_counting_the_critics_and_reward_models_gpus(inputs):
+    from test_hybrid import MODEL_CONFIGS, _cli
+
+    llama = os.path.join(MODEL_CONFIGS, "Llama-3-8B")
+    proc = _cli([*_ppo_flags(inputs, llama, llama), "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"],
+                inputs, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])
+    assert report["config"]["algo"]["advantage_estimator"] == "gae"  # OpenRLHF's default: PPO with a critic
+    r = report["resources"]
+    assert (r["trainer_ranks"], r["critic_ranks"], r["reward_model_actors"], r["gpus"]) == (4, 4, 4, 4 + 8 + 4 + 4)
+
+
+def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models_rewards_with_a_critic(
+        inputs, tiny_model_path, tiny_reward_model):
+    from test_hybrid import SCALED, _cli
+
+    flags = [*_ppo_flags(inputs, tiny_model_path, tiny_reward_model), *SCALED, "--critic.num_gpus_per_node", "1",
+             "--reward.num_gpus_per_node", "1", "--no-ds.adam_offload", "--ds.param_dtype", "fp32",
+             "--runs_dir", str(inputs / "runs"), "--run_name", "ppo", "--no-progress"]
+    done = _cli(flags, inputs, 900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = [m for m in map(json.loads, (inputs / "runs" / "ppo" / "metrics.jsonl").read_text().splitlines())
+               if m.get("step")]
+    assert [m["weight_version"] for m in trained] == [1, 2]
+    for m in trained:  # the reward model's normalised rewards, not the math agent's 0 or 1
+        assert "rollout/extra/reward_model_0" in m and m["reward/mean"] not in (0.0, 1.0), m
+        assert m["critic/value_loss"] > 0 and m["timing/critic_s"] > 0
+    assert (inputs / "exp" / "config.json").is_file()
