@@ -47,6 +47,10 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
 
 
+# The trainer's policy where a stand-in trains (TrainingActor tests without ranks): no ranks, no critic.
+NO_POLICY = type("Policy", (), {"actors": [], "critic": None})
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     from openrlhf_async.config import default_cache_dir

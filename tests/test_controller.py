@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import preset_config
+from conftest import NO_POLICY, preset_config
 from openrlhf_async.config import config_with
 from openrlhf_async.reward.shaping import overlong_penalty
 from openrlhf_async.rollout.batch import AgentFailureError
@@ -13,6 +13,7 @@ from openrlhf_async.rollout.controller import LoadBalancer, LocalHandle, Rollout
 from openrlhf_async.rollout.engine import _engine_died
 from openrlhf_async.rollout.episode import Episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
+
 
 
 class FakeEngine:
@@ -713,7 +714,7 @@ def _starving_run(monkeypatch, action, mode="sync", solved_after=6, *flags):
     prompts = [{"prompt_ids": [i], "label": {"delay": 0.0, "scores": VALID}} for i in range(20)]
     queue, logged = _ThreadQueue(), _ThreadQueue()
     generator = pipeline.GenerateSamplesActor(cfg, [LocalHandle(LearningEngine(solved_after))], prompts, queue)
-    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), sync, queue, logged, [],
+    trainer = pipeline.TrainingActor(cfg, NO_POLICY, sync, queue, logged, [],
                                      num_prompts=len(prompts), stand_in_train_s=0.0)
     result = {}
     thread = threading.Thread(target=lambda: result.update(generator.run(cfg.train.max_steps)))

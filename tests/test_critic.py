@@ -129,7 +129,7 @@ def test_the_value_model_is_the_causal_lms_body_and_a_head_saved_and_loaded_in_o
         assert torch.equal(again.score.weight, model.score.weight) and torch.allclose(again(ids), model(ids))
 
 
-# ---- a 2-rank ZeRO-3 critic group -------------------------------------------------------------------------------------
+# ---- a 2-rank ZeRO-3 critic group ----------------------------------------------------------------------------------
 
 def _samples(tiny_model_path):
     from test_weight_sync import _prompt_ids
@@ -206,7 +206,7 @@ def test_a_critic_checkpoint_resumes_exactly(critic, tiny_model_path, tmp_path):
     assert again == first
 
 
-# ---- the CLI (a Ray of its own: runs before the session's stack) ------------------------------------------------------
+# ---- the CLI (a Ray of its own: runs before the session's stack) ---------------------------------------------------
 
 def test_a_gae_run_trains_the_critic_beside_the_policy_and_saves_it_in_openrlhfs_format(tmp_path, tiny_model_path):
     from openrlhf_async.config import preset_path

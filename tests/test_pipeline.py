@@ -9,11 +9,12 @@ import time
 import pytest
 import ray
 
-from conftest import tokenized_prompts, unfinished
+from conftest import NO_POLICY, tokenized_prompts, unfinished
 from openrlhf_async.rollout.batch import AgentFailureError
 from openrlhf_async.rollout.episode import Episode
 from openrlhf_async.trainer.pipeline import PPOTrainerAsync
 from openrlhf_async.trainer.staleness import StalenessPolicy
+
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
                                                                   "rollout/stale_groups_dropped": 1}, [(i, i)], [], [])
                for i in range(3)]
     logged, sync = _ListQueue(), _CountingSync()
-    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), sync, _ListQueue(batches), logged, [],
+    trainer = pipeline.TrainingActor(cfg, NO_POLICY, sync, _ListQueue(batches), logged, [],
                                      num_prompts=3, stand_in_train_s=0.1)
     summary = trainer.run()
     steps = logged.items
@@ -202,7 +203,7 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
     assert (summary["max_staleness"], summary["stale_samples_trained"], summary["stale_groups_dropped"]) == (1, 2, 3)
     assert [m["_used"]["positions"] for m in steps] == [[0], [1], [2]]
     batches[0].version = 1  # made for another version than the trainer's: a bug in the version counts
-    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), _CountingSync(), _ListQueue(batches[:1]),
+    trainer = pipeline.TrainingActor(cfg, NO_POLICY, _CountingSync(), _ListQueue(batches[:1]),
                                      _ListQueue(), [], num_prompts=3, stand_in_train_s=0.0)
     with pytest.raises(RuntimeError, match="counts disagree"):
         trainer.run()

@@ -222,5 +222,5 @@ def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models
     assert [m["weight_version"] for m in trained] == [1, 2]
     for m in trained:  # the reward model's normalised rewards, not the math agent's 0 or 1
         assert "rollout/extra/reward_model_0" in m and m["reward/mean"] not in (0.0, 1.0), m
-        assert m["critic/value_loss"] > 0 and m["timing/critic_s"] > 0
+        assert m["critic/value_loss"] > 0 and m["timing/critic_s"] > 0 and m["timing/reward_model_s"] > 0
     assert (inputs / "exp" / "config.json").is_file()

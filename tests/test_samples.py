@@ -8,10 +8,12 @@ import os
 
 import pytest
 
+from conftest import NO_POLICY
 from openrlhf_async.config import Config, LoggerConfig
 from openrlhf_async.rollout.episode import Episode
 from openrlhf_async.utils.metrics import MetricsLog
 from openrlhf_async.utils.samples import TEXT_CHARS, SampleText
+
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +240,7 @@ def test_the_trainer_sends_the_first_groups_and_evaluation_answers(monkeypatch):
                                     {"rollout/time_to_batch_s": 0.1, "rollout/tokens_generated": 1,
                                      "rollout/stale_groups_dropped": 0}, [(i, i)], [], []) for i in range(3)]
     logged = _ListQueue()
-    trainer = pipeline.TrainingActor(cfg, type("Policy", (), {"actors": []}), _Sync(), _ListQueue(batches), logged,
+    trainer = pipeline.TrainingActor(cfg, NO_POLICY, _Sync(), _ListQueue(batches), logged,
                                      [{"prompt_ids": [0], "label": "0"}], num_prompts=3, stand_in_train_s=0.0)
     trainer.run()
     sent = [(m["step"], [ep.request_id for ep in m["_samples"]["train"]],

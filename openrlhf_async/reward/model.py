@@ -24,8 +24,10 @@ class RewardModelActor:
     """One reward model, scoring texts in batches (a Ray actor with an event loop: calls run concurrently)."""
 
     def __init__(self, model_path: str, head_prefix: str, dtype: str, device: str, normalize: bool, max_len: int,
-                 micro_batch_size: int):
+                 micro_batch_size: int, name: str = "reward model"):
         from transformers import AutoTokenizer
+
+        from openrlhf_async.utils.timeline import Timeline
 
         from openrlhf_async.trainer.critic import build_value_model
         from openrlhf_async.trainer.policy import TORCH_DTYPES
@@ -40,9 +42,13 @@ class RewardModelActor:
         self.max_len, self.micro_batch_size = max_len, micro_batch_size
         self.pending, self.busy = [], False
         self.figures = {"forwards": 0, "sequences": 0}
+        self.timeline = Timeline(name)
 
     def ready(self) -> bool:
         return True
+
+    def take_spans(self) -> list:
+        return self.timeline.take()
 
     def stats(self) -> dict:
         return dict(self.figures)
@@ -62,7 +68,8 @@ class RewardModelActor:
                 calls, self.pending = self.pending, []
                 texts = [t for batch, _ in calls for t in batch]
                 try:
-                    rewards = await asyncio.to_thread(self._forward, texts)
+                    with self.timeline.span("reward model"):
+                        rewards = await asyncio.to_thread(self._forward, texts)
                 except Exception as e:  # every waiting call fails with it: counted as reward errors
                     for _, done in calls:
                         done.set_exception(RuntimeError(f"reward model: {type(e).__name__}: {e}"))
@@ -108,11 +115,24 @@ def start_reward_models(cfg) -> tuple:
             actors.append(ray.remote(RewardModelActor).options(name=name, namespace=NAMESPACE, max_concurrency=1000,
                                                                **opts).remote(
                 path, cfg.ds.value_head_prefix, cfg.dtype, cfg.device, r.normalize_enable, cfg.data.max_len,
-                cfg.rollout.micro_batch_size))
+                cfg.rollout.micro_batch_size, f"reward model {m}.{name.rsplit('-', 1)[1]}"))
         names.append(tuple(group))
     ray.get([a.ready.remote() for a in actors])
     _STARTED.extend(actors)  # a named actor still ends when its creator drops every handle: the driver keeps them
     return tuple(names)
+
+
+def reward_model_actors(cfg) -> list:
+    """The run's reward-model actors (none without --reward.model_name_or_path, or before they started)."""
+    import ray
+
+    out = []
+    for name in (n for group in cfg.reward.source()["models"] for n in group):
+        try:
+            out.append(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:  # it died: its spans are gone with it
+            pass
+    return out
 
 
 class ModelReward:

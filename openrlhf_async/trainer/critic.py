@@ -107,7 +107,8 @@ class CriticActor(PolicyActor):
     def _build(self, model_path, load: dict, model: dict, ds: dict):
         critic = build_value_model(model_path, load, ds["value_head_prefix"])
         if model["gradient_checkpointing"]:
-            critic.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
+            critic.body.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": model["reentrant"]})
         return critic
 
     def _values(self, samples: list, layout: dict) -> torch.Tensor:

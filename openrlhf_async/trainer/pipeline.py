@@ -492,6 +492,9 @@ class TrainingActor:
         self.progress.add((position for position, _ in used), [o for item in items for o in item.flat])
         metrics["_used"] = {"positions": [p for p, _ in used], "prompt_ids": [i for _, i in used]}
         metrics["_spans"] = self._spans(items)
+        if self.cfg.reward.model_name_or_path:  # the reward models' forward seconds since the last record
+            metrics["timing/reward_model_s"] = sum(s["end"] - s["start"] for s in metrics["_spans"]
+                                                   if s["kind"] == "reward model")
         metrics["_samples"] = self._samples([g for item in items for g in item.groups])
         self.metrics_queue.put(metrics)
 
@@ -499,11 +502,13 @@ class TrainingActor:
         """Every actor's spans since the last step; an actor that died meanwhile has none."""
         import ray
 
+        from openrlhf_async.reward.model import reward_model_actors
         from openrlhf_async.rollout.engine import submit
 
         spans = self.timeline.take() + [span for item in items for span in item.spans]
         critic = self.policy.critic.actors if self.policy.critic is not None else []
-        for ref in [submit(a, "take_spans") for a in self.weight_sync.engines + self.policy.actors + critic]:
+        for ref in [submit(a, "take_spans") for a in self.weight_sync.engines + self.policy.actors + critic
+                    + reward_model_actors(self.cfg)]:
             try:
                 spans += ray.get(ref, timeout=30)
             except Exception:  # the actor died meanwhile (or Ray refused the call: an error in place of the ref)
