@@ -112,7 +112,7 @@ def test_the_value_model_is_the_causal_lms_body_and_a_head_saved_and_loaded_in_o
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    from openrlhf_async.trainer.critic import build_value_model
+    from openrlhf_async.models.value import build_value_model
 
     torch.manual_seed(0)
     model = build_value_model(tiny_model_path, {"dtype": torch.float32})
@@ -154,7 +154,7 @@ def test_a_two_rank_zero3_critic_step_moves_every_weight_as_one_process_would(cr
     from safetensors.torch import load_file
 
     from openrlhf_async.trainer.batching import Layout
-    from openrlhf_async.trainer.critic import build_value_model
+    from openrlhf_async.models.value import build_value_model
     from openrlhf_async.trainer.losses import value_loss
 
     cfg, group = critic
@@ -210,7 +210,7 @@ def test_a_critic_checkpoint_resumes_exactly(critic, tiny_model_path, tmp_path):
 
 def test_a_gae_run_trains_the_critic_beside_the_policy_and_saves_it_in_openrlhfs_format(tmp_path, tiny_model_path):
     from openrlhf_async.config import preset_path
-    from openrlhf_async.trainer.critic import build_value_model
+    from openrlhf_async.models.value import build_value_model
 
     cmd = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
            "--actor.model_name_or_path", tiny_model_path, *GAE, "--algo.kl.init_coef", "0.01",

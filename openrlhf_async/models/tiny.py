@@ -215,7 +215,7 @@ def build_tiny_reward_model(cache_dir: str, steps: int = 1000, batch: int = 32, 
     r_wrong), as OpenRLHF's reward-model training): wrong is the carry slip where there is one, else an answer off by
     1-9. Saved with the (mean, std) of its rewards over the pool in config.json, as OpenRLHF's train_rm stores them.
     Built once per settings (cached); returns its folder."""
-    from openrlhf_async.trainer.critic import build_value_model
+    from openrlhf_async.models.value import build_value_model
 
     policy = build_tiny_model(cache_dir)
     settings = {"reward_model": True, "policy": os.path.basename(policy), "steps": steps, "batch": batch, "lr": lr,

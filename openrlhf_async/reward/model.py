@@ -1,5 +1,5 @@
 """Reward models (--reward.model_name_or_path): OpenRLHF's reward-model checkpoints (a causal LM body with a one-output
-`score` head, trainer/critic.py's ValueModel) served by Ray actors that score finished episodes as they arrive.
+`score` head, models/value.py's ValueModel) served by Ray actors that score finished episodes as they arrive.
 
 Each actor holds the model whole (one per --reward.num_gpus_per_node x --reward.num_nodes) and scores the text of an
 episode (prompt and response, as OpenRLHF's serve_rm takes it) with the model's own tokenizer: the value at the last
@@ -29,10 +29,9 @@ class RewardModelActor:
 
         from openrlhf_async.utils.timeline import Timeline
 
-        from openrlhf_async.trainer.critic import build_value_model
-        from openrlhf_async.trainer.policy import TORCH_DTYPES
+        from openrlhf_async.models.value import DTYPES, build_value_model
 
-        self.model = build_value_model(model_path, {"dtype": TORCH_DTYPES[dtype]}, head_prefix).eval()
+        self.model = build_value_model(model_path, {"dtype": DTYPES[dtype]}, head_prefix).eval()
         self.device = "cuda" if device == "cuda" else "cpu"
         self.model.to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
