@@ -208,6 +208,7 @@ def test_a_critic_checkpoint_resumes_exactly(critic, tiny_model_path, tmp_path):
 
 # ---- the CLI (a Ray of its own: runs before the session's stack) ---------------------------------------------------
 
+@pytest.mark.long  # 130 s; make test runs OpenRLHF's PPO command line with a critic instead (test_reward_model.py)
 def test_a_gae_run_trains_the_critic_beside_the_policy_and_saves_it_in_openrlhfs_format(tmp_path, tiny_model_path):
     from openrlhf_async.config import preset_path
     from openrlhf_async.models.value import build_value_model

@@ -288,6 +288,7 @@ def test_the_14b_grpo_lora_command_line_fits_80_gb_in_the_dry_run_where_full_fin
         "error: memory plan: trainer rank needs "), full.stderr[-2000:]
 
 
+@pytest.mark.long  # 175 s in make test's company: make test-long
 def test_the_14b_grpo_lora_command_line_scaled_down_trains_with_every_sync_checked_and_saves_its_adapter(
         inputs, tiny_model_path):
     from test_hybrid import SCALED, _cli

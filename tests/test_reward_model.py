@@ -143,20 +143,20 @@ def test_openrlhfs_serve_rm_protocol_works_as_a_remote_url(tiny_reward_model):
 
 # ---- on Ray: the actors the engines reach -------------------------------------------------------------------------
 
-class _Hanging:
-    async def score(self, texts):
-        await asyncio.sleep(3600)
-
-
 def test_a_dead_or_hung_reward_model_is_a_counted_reward_error_not_a_hung_episode(ray_cluster, tiny_reward_model):
     import ray
 
-    from openrlhf_async.reward.model import ModelReward
+    class _Hanging:  # defined here: Ray sends it by value (the workers cannot import the tests)
+        async def score(self, texts):
+            await asyncio.sleep(3600)
+
+    from openrlhf_async.reward.model import NAMESPACE, ModelReward
     from openrlhf_async.rollout.episode import Episode
     from openrlhf_async.rollout.group_runner import rescored
 
-    ray.remote(_Hanging).options(name="test-hanging-rm").remote()
-    gone = ray.remote(_Hanging).options(name="test-dead-rm").remote()
+    hanging = ray.remote(_Hanging).options(name="test-hanging-rm", namespace=NAMESPACE).remote()
+    gone = ray.remote(_Hanging).options(name="test-dead-rm", namespace=NAMESPACE).remote()
+    ray.get([hanging.__ray_ready__.remote(), gone.__ray_ready__.remote()])
     ray.kill(gone)
 
     class Tok:
@@ -212,15 +212,27 @@ def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models
         inputs, tiny_model_path, tiny_reward_model):
     from test_hybrid import SCALED, _cli
 
+    from openrlhf_async.models.value import build_value_model
+
+    # Later flags override the script's: 2 CPU ranks, 1 critic rank, 1 reward-model actor; and what a user adds: an
+    # adaptive KL coefficient, a checkpoint (at the last step), the critic saved at the end.
     flags = [*_ppo_flags(inputs, tiny_model_path, tiny_reward_model), *SCALED, "--critic.num_gpus_per_node", "1",
              "--reward.num_gpus_per_node", "1", "--no-ds.adam_offload", "--ds.param_dtype", "fp32",
+             "--algo.kl.target", "0.01", "--ckpt.save_steps", "2", "--critic.save_value_network",
              "--runs_dir", str(inputs / "runs"), "--run_name", "ppo", "--no-progress"]
     done = _cli(flags, inputs, 900)
     assert done.returncode == 0, done.stderr[-3000:]
-    trained = [m for m in map(json.loads, (inputs / "runs" / "ppo" / "metrics.jsonl").read_text().splitlines())
-               if m.get("step")]
+    run_dir = inputs / "runs" / "ppo"
+    trained = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
     assert [m["weight_version"] for m in trained] == [1, 2]
     for m in trained:  # the reward model's normalised rewards, not the math agent's 0 or 1
         assert "rollout/extra/reward_model_0" in m and m["reward/mean"] not in (0.0, 1.0), m
-        assert m["critic/value_loss"] > 0 and m["timing/critic_s"] > 0 and m["timing/reward_model_s"] > 0
-    assert (inputs / "exp" / "config.json").is_file()
+        assert m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0 and m["timing/critic_s"] > 0
+        assert m["timing/reward_model_s"] > 0
+    assert trained[1]["kl_coef"] != trained[0]["kl_coef"]  # the adaptive controller moved it
+    spans = {s["actor"] for s in map(json.loads, (run_dir / "timeline.jsonl").read_text().splitlines())}
+    assert {"critic 0", "reward model 0.0"} <= spans
+    assert (inputs / "exp" / "config.json").is_file() and (inputs / "exp" / "ckpt" / "step_2" / "critic").is_dir()
+    critic = build_value_model(str(inputs / "exp_critic"), {"dtype": torch.float32})  # OpenRLHF's <save_path>_critic
+    reward_model = build_value_model(tiny_reward_model, {"dtype": torch.float32})
+    assert not torch.equal(critic.score.weight, reward_model.score.weight)  # it started from the RM, and trained
