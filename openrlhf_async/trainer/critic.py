@@ -119,15 +119,7 @@ class CriticGroup(PolicyGroup):
 
     def values(self, samples: list) -> list:
         """Each sample's values at its response positions, in the log-prob passes' micro batches."""
-        b = self.batching
-        batches, indices = self._plan(samples, b["logprobs_micro_batch_size"], b["logprobs_max_tokens"])
-        results = get_all([a.values.remote(micro, b) for a, micro in zip(self.actors, batches)])
-        out = [None] * len(samples)
-        for rank_indices, rank_results in zip(indices, results):
-            for batch, values in zip(rank_indices, rank_results):
-                for i, v in zip(batch, values):
-                    out[i] = v
-        return out
+        return self._per_sample(samples, "values", self.batching)
 
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
         totals = batch_totals(samples)

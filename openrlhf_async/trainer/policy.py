@@ -703,10 +703,14 @@ class PolicyGroup:
     def logprobs(self, samples: list, temperature: float, reference: bool = False) -> list:
         """Each sample's log-probs at its response positions under the current weights (or the reference model's),
         in passes of --rollout.micro_batch_size samples or --rollout.max_tokens_per_gpu tokens."""
+        return self._per_sample(samples, "logprobs", temperature, self.batching, reference)
+
+    def _per_sample(self, samples: list, method: str, *args) -> list:
+        """Each sample's list from the ranks' `method(micro_batches, *args)` (one list per sample per micro batch),
+        run in the log-prob passes' micro batches (--rollout.micro_batch_size or --rollout.max_tokens_per_gpu)."""
         b = self.batching
         batches, indices = self._plan(samples, b["logprobs_micro_batch_size"], b["logprobs_max_tokens"])
-        results = get_all([a.logprobs.remote(micro, temperature, b, reference)
-                           for a, micro in zip(self.actors, batches)])
+        results = get_all([getattr(a, method).remote(micro, *args) for a, micro in zip(self.actors, batches)])
         out = [None] * len(samples)
         for rank_indices, rank_results in zip(indices, results):
             for batch, values in zip(rank_indices, rank_results):
