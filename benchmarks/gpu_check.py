@@ -142,8 +142,11 @@ class PeakMemory:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024 / 2**30
 
 
-def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: int) -> dict:
-    """One shape's warm-up, packed and padded steps through PolicyActor.train_step; its figures."""
+def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: int, sleep: bool = False) -> dict:
+    """One shape's warm-up, packed and padded steps through PolicyActor.train_step; its figures. With sleep, the
+    hybrid engine's trainer side as well: its optimizer (FusedAdam on a GPU, built by DeepSpeed's JIT), the states
+    moved to host memory and back (PolicyActor.offload_states / reload_states), then one more padded step that must
+    reach the same gradients."""
     import torch
     from deepspeed.utils import safe_get_full_grad
     from transformers import Qwen2Config
@@ -160,7 +163,7 @@ def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: 
              "--actor.gradient_checkpointing_enable", "--actor.adam.lr", "0", "--actor.lr_scheduler", "constant",
              "--algo.kl.init_coef", "0", "--train.micro_batch_size", str(workload["micro_batch_size"])]
     cfg = parse_config(flags)
-    ds, model = ds_settings(cfg), model_settings(cfg)
+    ds, model = {**ds_settings(cfg), "enable_sleep": sleep}, model_settings(cfg)
     shape = {**COMMON, **SHAPES[shape_name]}
     config = Qwen2Config(**shape)
     peak = PeakMemory(device)
@@ -208,6 +211,7 @@ def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: 
     cosines = {name: float(torch.nn.functional.cosine_similarity(packed["grads"][name].flatten(),
                                                                  padded["grads"][name].flatten(), dim=0))
                for name in watched}
+    slept = sleep_and_wake(actor, step, padded, device, TOLERANCE[dtype]) if sleep else {}
     norm_diff = abs(packed["grad_norm"] - padded["grad_norm"]) / max(padded["grad_norm"], 1e-12)
     tol = TOLERANCE[dtype]
     micro_tokens = max(sum(sample_length(samples[i]) for i in b)
@@ -227,13 +231,45 @@ def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: 
                             and min(cosines.values()) >= tol["cosine"]),
         "loss_packed": packed["loss"], "loss_padded": padded["loss"],
         "attn_implementation": actor.engine.module.config._attn_implementation,
+        "optimizer": type(actor.engine.optimizer.optimizer).__name__, **slept,
     }
+
+
+def sleep_and_wake(actor, step, padded: dict, device: str, tol: dict) -> dict:
+    """The hybrid engine's offload of the training states and their reload, timed, with the device memory each frees
+    (on a GPU), and a padded step afterwards whose gradients must equal the padded step's before (to the layouts'
+    tolerance: a GPU's backward kernels need not sum in the same order twice)."""
+    import torch
+
+    def allocated() -> float:
+        if device != "cuda":
+            return 0.0
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() / 2**30
+
+    before, offload_s, reload_s = allocated(), [], []
+    for _ in range(2):  # the first offload allocates the host buffers: a hybrid run's later steps reuse them
+        start = time.perf_counter()
+        actor.offload_states()
+        offload_s.append(round(time.perf_counter() - start, 3))
+        asleep = allocated()
+        start = time.perf_counter()
+        actor.reload_states()
+        reload_s.append(round(time.perf_counter() - start, 3))
+    again = step(packed=False)
+    cosine = min(float(torch.nn.functional.cosine_similarity(again["grads"][n].flatten(), padded["grads"][n].flatten(),
+                                                             dim=0)) for n in padded["grads"])
+    norm_diff = abs(again["grad_norm"] - padded["grad_norm"]) / max(padded["grad_norm"], 1e-12)
+    return {"offload_s": offload_s, "reload_s": reload_s,
+            "offload_freed_gb": round(before - asleep, 3), "awake_gb": round(before, 3),
+            "after_wake_grad_norm_rel_diff": norm_diff, "after_wake_min_grad_cosine": cosine,
+            "wake_matches": bool(norm_diff <= tol["norm"] and cosine >= tol["cosine"])}
 
 
 def run_shape(shape: str, args) -> dict:
     """check_shape in a process of its own; an error (out of memory included) as {"error": its last line}."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one_shape", shape, "--device", args.device,
-           "--dtype", args.dtype, "--seed", str(args.seed)]
+           "--dtype", args.dtype, "--seed", str(args.seed), *(["--sleep"] if args.sleep else [])]
     for key in WORKLOADS["cpu"]:
         if getattr(args, key) is not None:
             cmd += [f"--{key}", str(getattr(args, key))]
@@ -257,6 +293,8 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{key}", type=int, default=None, help=f"default: {value} on cuda, "
                                                                  f"{WORKLOADS['cpu'][key]} on cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sleep", action="store_true", help="also the hybrid engine's offload of the training states "
+                                                         "and their reload, then a step that must match")
     ap.add_argument("--wheels", default="", help="folder of wheels to install missing deepspeed, transformers and "
                                                  "accelerate from")
     ap.add_argument("--download_wheels", metavar="FOLDER", help="fill FOLDER with those wheels and exit")
@@ -274,7 +312,8 @@ def main(argv=None) -> int:
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     workload = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in WORKLOADS[args.device].items()}
     if args.one_shape:
-        print(json.dumps(check_shape(args.one_shape, args.device, args.dtype, workload, args.seed)), flush=True)
+        result = check_shape(args.one_shape, args.device, args.dtype, workload, args.seed, args.sleep)
+        print(json.dumps(result), flush=True)
         return 0
     shapes = (args.shape or ("1.5b,7b" if args.device == "cuda" else "tiny")).split(",")
     unknown = [s for s in shapes if s not in SHAPES]
@@ -287,7 +326,7 @@ def main(argv=None) -> int:
     gpu = next((r["gpu"] for r in results.values() if r.get("gpu")), None)
     print(json.dumps({"gpu": gpu, "device": args.device, "dtype": args.dtype, "zero_stage": 3, "world_size": 1,
                       "gradient_checkpointing": True, "shapes": results}), flush=True)
-    return 0 if all(r.get("grads_match") for r in results.values()) else 1
+    return 0 if all(r.get("grads_match") and r.get("wake_matches", True) for r in results.values()) else 1
 
 
 if __name__ == "__main__":

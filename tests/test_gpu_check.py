@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_the_cpu_variant_prints_one_json_line_with_matching_gradients_peak_memory_and_step_time():
-    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--shape", "tiny"], capture_output=True,
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--shape", "tiny", "--sleep"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -24,6 +24,8 @@ def test_the_cpu_variant_prints_one_json_line_with_matching_gradients_peak_memor
     assert tiny["grad_norm_rel_diff"] < 1e-4 and tiny["min_grad_cosine"] > 0.9999, tiny
     assert tiny["peak_gb"] > 0 and tiny["step_s_packed"] > 0 and tiny["step_s_padded"] > 0, tiny
     assert tiny["tokens"] > tiny["samples"] > 0 and tiny["planned_gb"] > 0, tiny
+    # --sleep: the hybrid engine's offload and reload of the training states, then a step reaching the same gradients
+    assert tiny["wake_matches"] and tiny["after_wake_grad_norm_rel_diff"] < 1e-6 and len(tiny["offload_s"]) == 2, tiny
 
 
 BROKEN_PACKING = """
@@ -61,3 +63,18 @@ def test_missing_packages_without_wheels_give_one_line_naming_the_make_target(ca
     out = capsys.readouterr().out.strip()
     assert out.startswith("gpu-check: no_such_package_gpu_check missing") and "make gpu-wheels" in out, out
     assert len(out.splitlines()) == 1
+
+
+def test_architecture_specific_arch_lists_are_read_as_plain_capabilities_for_deepspeeds_builder(monkeypatch):
+    """An H200 image's TORCH_CUDA_ARCH_LIST=9.0a killed FusedAdam's build (DeepSpeed parses each entry as numbers)."""
+    from openrlhf_async.trainer.policy import jit_arch_list
+
+    for given, read in (("9.0a", "9.0"), ("8.0 9.0a+PTX", "8.0;9.0+PTX"), ("9.0;10.0a;10.0", "9.0;10.0"),
+                        ("9.0+PTX", "9.0+PTX")):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+        jit_arch_list()
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == read, given
+        assert all(int(n) >= 0 for cc in read.split(";") for n in cc.split("+")[0].split("."))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    jit_arch_list()
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ

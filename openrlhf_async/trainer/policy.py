@@ -116,6 +116,22 @@ def _engine_settings(ds: dict) -> dict:
             "steps_per_print": 10**9}
 
 
+def jit_arch_list() -> None:
+    """Before DeepSpeed builds an op (FusedAdam, CPU Adam) on first use: its JIT builder reads TORCH_CUDA_ARCH_LIST
+    as numbers and dies on the architecture-specific forms PyTorch itself accepts ("9.0a", set by CUDA images for
+    Hopper: "invalid literal for int() with base 10: '0a'", seen on an H200). Such entries are written as their plain
+    capability for this process; the ops need no architecture-specific instructions."""
+    import re
+
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    entries = arch.replace(" ", ";").split(";")
+    plain = [re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", e) for e in entries if e.strip()]
+    if plain != [e for e in entries if e.strip()]:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(plain))
+        print(f"TORCH_CUDA_ARCH_LIST {arch!r} read as {os.environ['TORCH_CUDA_ARCH_LIST']!r} for DeepSpeed's op "
+              "builder", flush=True)
+
+
 def _build_model(model_path, load: dict):
     """The model from its folder, or (model_path a transformers config) randomly initialised in that shape: how
     benchmarks/gpu_check.py trains real shapes without their weights. Under ZeRO-3 both are partitioned as built."""
@@ -210,6 +226,8 @@ class PolicyActor:
         policy = self._build(model_path, load, model, ds)
         trainable = [p for p in policy.parameters() if p.requires_grad]
         adam = dict(lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"])
+        if ds["adam_offload"] or (ds.get("enable_sleep") and model["device"] == "cuda"):
+            jit_arch_list()
         if ds["adam_offload"]:  # ZeRO-Offload steps the optimizer on the CPU: DeepSpeed's own CPU Adam (AdamW)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
