@@ -369,14 +369,15 @@ class TrainConfig:
     colocate_actor_ref: bool = setting(False, "put the reference model on the policy's devices",
                                        openrlhf="differs: always so here (the reference model lives in the policy's "
                                                 "ranks)")
-    colocate_all: bool = setting(False, "colocate the models; in sync mode the hybrid engine (vLLM engines on the "
+    colocate_all: bool = setting(False, "colocate the models: the critic and the reward models on the policy's "
+                                        "devices; in sync mode the hybrid engine too (vLLM engines on the "
                                         "trainer's devices: --vllm.num_engines x --vllm.tensor_parallel_size must "
                                         "equal the trainer's ranks); in the async modes the DeepSpeed models only, as "
                                         "OpenRLHF's async trainer does",
                                  openrlhf="same")
-    colocate_critic_reward: bool = setting(False, "colocate critic and reward model",
-                                           openrlhf="no effect: the critic's ranks and the reward models' actors "
-                                                    "take devices of their own")
+    colocate_critic_reward: bool = setting(False, "the reward models' actors on the critic's devices (a GPU share "
+                                                  "each; as many actors per model as critic ranks)",
+                                           openrlhf="same")
     enable_ema: bool = setting(False, "keep an EMA copy of the weights", openrlhf="refused: EMA weights are not built")
     ema_beta: float = setting(0.992, "EMA coefficient", openrlhf="no effect: EMA weights are not built")
     dynamic_batch_enable: bool = setting(False, "micro batches of a token budget (--train.max_tokens_per_gpu) instead "
@@ -555,7 +556,7 @@ class RewardConfig:
         """make_reward's arguments."""
         return {"remote_url": self.remote_url or "", "timeout": self.timeout, "retries": self.retries,
                 "max_concurrency": self.max_concurrency, "workers": self.workers,
-                # the reward-model actors' names, per model: set by the run once they started (reward/model.py)
+                # the reward-model actors' names, per model: named by the run before they start (reward/model.py)
                 "models": getattr(self, "models", ())}
 
 
@@ -740,6 +741,21 @@ class Config:
         """OpenRLHF's hybrid engine: in sync mode with --train.colocate_all, the engines share the trainer's devices,
         sleeping while it trains (as OpenRLHF: colocate_all_models and not async_train)."""
         return self.mode == "sync" and self.train.colocate_all
+
+    @property
+    def placement(self) -> dict:
+        """Whose devices the critic's ranks and the reward models' actors use, with OpenRLHF's meaning of the
+        colocation flags: --train.colocate_all puts both in the policy's bundles (beside the sleeping engines in sync
+        mode: the hybrid engine); --train.colocate_critic_reward puts the reward models in the critic's; else each
+        has devices of its own ("own"). None: the role is not in the run. Every model sharing a bundle takes a share
+        of its GPU (rollout/engine.py: HYBRID_GPU_SHARE)."""
+        critic = "own" if self.algo.advantage_estimator == "gae" else None
+        rewards = "own" if self.reward.model_name_or_path else None
+        if self.train.colocate_all:
+            return {"critic": critic and "policy", "rewards": rewards and "policy"}
+        if self.train.colocate_critic_reward and critic:
+            return {"critic": critic, "rewards": rewards and "critic"}
+        return {"critic": critic, "rewards": rewards}
 
     @property
     def max_concurrent_prompts(self) -> int:
@@ -1151,6 +1167,37 @@ def _validate_rollout(cfg: Config) -> None:
 _GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 
 
+def _validate_colocation(cfg: Config) -> None:
+    """Colocated models share bundles one to one, as OpenRLHF requires: the same ranks (nodes x GPUs per node)."""
+    place, c, r = cfg.placement, cfg.critic, cfg.reward
+    hosts = {"policy": ("--actor", cfg.actor.num_nodes, cfg.actor.num_gpus_per_node),
+             "critic": ("--critic", c.num_nodes, c.num_gpus_per_node)}
+    for role, flag, nodes, gpus in (("critic", "--critic", c.num_nodes, c.num_gpus_per_node),
+                                    ("rewards", "--reward", r.num_nodes, r.num_gpus_per_node)):
+        if place[role] in hosts:
+            host, host_nodes, host_gpus = hosts[place[role]]
+            if (nodes, gpus) != (host_nodes, host_gpus):
+                colocating = "--train.colocate_all" if place[role] == "policy" else "--train.colocate_critic_reward"
+                raise ConfigError(f"{colocating} puts {flag}'s models on {host}'s devices, one to one: "
+                                  f"{flag}.num_nodes {nodes} x {flag}.num_gpus_per_node {gpus} must equal "
+                                  f"{host}.num_nodes {host_nodes} x {host}.num_gpus_per_node {host_gpus}; make them "
+                                  f"equal or drop {colocating}")
+    from openrlhf_async.rollout.engine import HYBRID_GPU_SHARE
+
+    models = len([p for p in (r.model_name_or_path or "").split(",") if p.strip()])
+    host = place["rewards"]
+    if cfg.device == "cuda" and host in hosts:  # each model on a shared GPU asks Ray for HYBRID_GPU_SHARE of it
+        count = 1 + models + (host == "policy") * (cfg.hybrid + (place["critic"] == "policy"))
+        if count * HYBRID_GPU_SHARE > 1 + 1e-9:
+            raise ConfigError(f"--reward.model_name_or_path: {models} reward models on the {host}'s GPUs make {count} "
+                              f"models of {HYBRID_GPU_SHARE} GPU each on one GPU, which Ray would wait for for ever; "
+                              f"score with at most {models - count + round(1 / HYBRID_GPU_SHARE)} there, or drop the "
+                              "colocation flag")
+    if cfg.train.colocate_critic_reward and not cfg.train.colocate_all and not (place["critic"] and place["rewards"]):
+        notice("--train.colocate_critic_reward has no effect without both a critic (--algo.advantage.estimator gae) "
+               "and a reward model (--reward.model_name_or_path)")
+
+
 def _validate_algo(cfg: Config) -> None:
     a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
     if a.advantage_estimator != "gae":
@@ -1160,14 +1207,7 @@ def _validate_algo(cfg: Config) -> None:
             flags = ", ".join("--critic." + name.replace("adam_", "adam.").replace("muon_", "muon.") for name in changed)
             notice(f"{flags} {'has' if len(changed) == 1 else 'have'} no effect without --algo.advantage.estimator gae "
                    f"(no critic is trained with {a.advantage_estimator})")
-    if cfg.reward.model_name_or_path and cfg.hybrid:
-        raise ConfigError("--reward.model_name_or_path with --train.colocate_all in sync mode (the hybrid engine): "
-                          "reward models beside the sleeping engines are not built yet; give them devices of their "
-                          "own (drop --train.colocate_all) or score with --reward.remote_url")
-    if a.advantage_estimator == "gae" and cfg.hybrid:
-        raise ConfigError("--algo.advantage.estimator gae with --train.colocate_all in sync mode (the hybrid engine): "
-                          "a critic beside the sleeping engines is not built yet; run the critic on devices of its own "
-                          "(drop --train.colocate_all) or use a critic-free estimator such as group_norm")
+    _validate_colocation(cfg)
     if a.advantage_estimator in _GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"--algo.advantage.estimator {a.advantage_estimator} compares a prompt's samples with each "
                           f"other: --rollout.n_samples_per_prompt must be at least 2 (got {n})")

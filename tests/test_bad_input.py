@@ -25,7 +25,7 @@ def run_cli(tmp_path, *flags):
         (["--rollout.max_new_tokens", "300"], "--rollout.max_new_tokens 300 must be below --data.max_len"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["--algo.advantage.estimator", "gae", "--train.colocate_all", "--vllm.num_engines", "2"],
-         "--algo.advantage.estimator gae with --train.colocate_all in sync mode (the hybrid engine)"),
+         "--train.colocate_all puts --critic's models on --actor's devices, one to one"),
         (["--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "64"],
          "--critic.num_nodes 1 x --critic.num_gpus_per_node 64: 64 critic ranks on cpu need a core each"),
         (["--algo.advantage.estimator", "ppo"], "argument --algo.advantage.estimator: invalid choice: 'ppo'"),

@@ -348,7 +348,7 @@ SCRIPTS = {
         --kl_estimator k2 --prompt_data {data} --input_key prompt --label_key label --normalize_reward
         --vllm_enable_sleep --use_dynamic_batch --deepspeed_enable_sleep --gradient_checkpointing --packing_samples
         --save_steps -1 --enforce_eager --eps_clip_low_high 0.2 0.28 --top_p 0.98 --enable_vllm_is_correction"""),
-    # 0.10 train_grpo_ray_hybrid_engine.sh: a reward model scores there (refused here: see below)
+    # 0.10 train_grpo_ray_hybrid_engine.sh: a reward model on every GPU beside the engines and the ranks
     "grpo_flat": ("Llama-3-8B", """
         --ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8
         --actor_num_nodes 1 --actor_num_gpus_per_node 8 --vllm_num_engines 2 --vllm_tensor_parallel_size 4
@@ -360,6 +360,20 @@ SCRIPTS = {
         --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --prompt_data {data} --input_key context_messages
         --apply_chat_template --normalize_reward --adam_offload --gradient_checkpointing --packing_samples
         --vllm_sync_backend nccl --enforce_eager --vllm_enable_sleep"""),
+    # 0.11 train_ppo_ray_hybrid_engine.sh: PPO (gae, OpenRLHF's default) with a critic started from the reward model,
+    # both on the engines' and the ranks' GPUs
+    "ppo": ("Llama-3-8B", """
+        --ref.num_nodes 1 --ref.num_gpus_per_node 8 --reward.num_nodes 1 --reward.num_gpus_per_node 8
+        --critic.num_nodes 1 --critic.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
+        --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.5
+        --actor.model_name_or_path {model} --reward.model_name_or_path {model} --ckpt.output_dir {save}
+        --ckpt.path {save}/ckpt --ckpt.save_hf --train.micro_batch_size 8 --train.batch_size 128
+        --rollout.micro_batch_size 16 --rollout.batch_size 1024 --rollout.n_samples_per_prompt 1 --train.max_epochs 1
+        --data.max_len 2048 --data.max_samples 100000 --ds.zero_stage 3 --ds.param_dtype bf16 --actor.adam.lr 5e-7
+        --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset {data} --data.input_key context_messages
+        --data.apply_chat_template --reward.normalize_enable --actor.gradient_checkpointing_enable
+        --ds.packing_samples --vllm.sync_backend nccl --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep
+        --train.dynamic_batch_enable --train.max_tokens_per_gpu 16384 --algo.advantage.is_correction_enable"""),
 }
 # Scaled to 2 CPU ranks (what a user changes to try one on a laptop): later flags override the script's.
 SCALED = ["--actor.num_gpus_per_node", "2", "--ref.num_gpus_per_node", "2", "--vllm.num_engines", "2",
@@ -406,10 +420,8 @@ def _cli(flags: list, cwd, timeout: int):
 FIXED = {  # the flags of a script this project refuses, in the order it says so: what a user writes instead, and why
     "multiturn_agent_flat": [("--top_p", ["--top_p", "1"],  # vLLM's processed log-probs are truncated at top_p
                               "--rollout.top_p 0.98 with --algo.advantage.is_correction_level token")],
-    # A reward model beside the hybrid engine's sleeping engines is not built yet.
-    "grpo_flat": [("--reward_pretrain", ["--remote_rm_url", "{reward}"], "--reward.model_name_or_path"),
-                  # GRPO's group of 1 has no spread (OpenRLHF trains it with advantages of 0)
-                  ("--n_samples_per_prompt", ["--n_samples_per_prompt", "8"],
+    # GRPO's group of 1 has no spread (OpenRLHF trains it with advantages of 0)
+    "grpo_flat": [("--n_samples_per_prompt", ["--n_samples_per_prompt", "8"],
                    "--rollout.n_samples_per_prompt must be at least 2 (got 1)")],
 }
 
@@ -459,8 +471,10 @@ def test_the_memory_plan_refuses_a_hybrid_engine_whose_engines_do_not_sleep_whil
 
 # ---- end to end: two of them scaled down on the CLI (a Ray of its own each: they run before the session's stack) -------
 
-# The 0.10 GRPO agent script (flat spellings, an agent, a reference model) is marked long: 100 s.
-@pytest.mark.parametrize("script", ["prorl_v2", pytest.param("grpo_agent_flat", marks=pytest.mark.long)])
+# Both marked long (about 100 s each): make test runs 0.11's PPO hybrid script scaled down instead (critic and reward
+# model beside the sleeping engines: test_reward_model.py), the hybrid engine's fullest path.
+@pytest.mark.parametrize("script", [pytest.param("prorl_v2", marks=pytest.mark.long),
+                                    pytest.param("grpo_agent_flat", marks=pytest.mark.long)])
 def test_openrlhfs_hybrid_scripts_scaled_down_train_two_steps_with_engines_sleeping_while_the_policy_trains(
         inputs, tiny_model_path, script):
     flags = [*script_flags(script, inputs, tiny_model_path), *SCALED, "--runs_dir", str(inputs / "runs"),

@@ -99,7 +99,8 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
     (["--ds.load_in_4bit"], "--ds.load_in_4bit True: not supported here: QLoRA needs bitsandbytes' CUDA kernels"),
     (["--data.max_images_per_prompt", "2"], "--data.max_images_per_prompt 2: not supported here: vision-language"),
     (["--algo.advantage.estimator", "gae", "--train.colocate_all", "--vllm.num_engines", "2"],
-     "--algo.advantage.estimator gae with --train.colocate_all in sync mode"),
+     "--train.colocate_all puts --critic's models on --actor's devices, one to one: --critic.num_nodes 1 x "
+     "--critic.num_gpus_per_node 8 must equal --actor.num_nodes 1 x --actor.num_gpus_per_node 2"),
     (["--actor.optim", "muon"], "--actor.optim muon: not supported here: only adam"),
     (["--train.colocate_all"], "--train.colocate_all: --vllm.num_engines 1 x --vllm.tensor_parallel_size 1 (1) "
                                "must equal"),

@@ -11,7 +11,7 @@ from openrlhf_async.config import build_parser
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START, END = "<!-- flag-table:start -->", "<!-- flag-table:end -->"
 # The project's other commands, whose flags the README shows too.
-OTHER_COMMANDS = ("openrlhf_async/cli/prepare_data.py", "openrlhf_async/cli/reward_server.py")
+OTHER_COMMANDS = ("openrlhf_async/cli/prepare_data.py", "openrlhf_async/cli/reward_server.py", "benchmarks/gpu_check.py")
 # Flags of other tools in the README's command lines: ray start / ray job submit, pip, tensorboard, hf download.
 OTHER_TOOLS = {"--head", "--address", "--runtime-env-json", "--no-deps", "--logdir", "--local-dir"}
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w.-]*\w")

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from conftest import preset_config
 from test_hybrid import inputs  # noqa: F401 (the scripts' local files, a fixture)
 
 
@@ -143,6 +144,45 @@ def test_openrlhfs_serve_rm_protocol_works_as_a_remote_url(tiny_reward_model):
 
 # ---- on Ray: the actors the engines reach -------------------------------------------------------------------------
 
+def test_colocated_reward_models_sit_in_their_hosts_bundles_one_each_and_a_restart_starts_only_the_missing(
+        ray_cluster, tiny_reward_model):
+    """--train.colocate_critic_reward: reward model actor i in bundle i of the critic's placement group; started
+    again (a trainer restart), only an actor that died is replaced."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from openrlhf_async.reward.model import NAMESPACE, reward_model_names, start_reward_models
+
+    cfg = preset_config("--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "2",
+                        "--reward.model_name_or_path", tiny_reward_model, "--reward.num_gpus_per_node", "2",
+                        "--train.colocate_critic_reward")
+    assert cfg.placement == {"critic": "own", "rewards": "critic"}
+    group, names = placement_group([{"CPU": 0.001}] * 2), ()
+    ray.get(group.ready())
+    try:
+        cfg.reward.models = reward_model_names(cfg)
+        start_reward_models(cfg, group)
+        names = cfg.reward.models[0]
+
+        def placed():  # each actor's placement group, as it sees it
+            def where(_):
+                return ray.get_runtime_context().get_placement_group_id()
+
+            return {name: ray.get(ray.get_actor(name, namespace=NAMESPACE).__ray_call__.remote(where)) for name in names}
+
+        first = {name: ray.get_actor(name, namespace=NAMESPACE)._actor_id for name in names}
+        assert placed() == {name: group.id.hex() for name in names}
+        ray.kill(ray.get_actor(names[1], namespace=NAMESPACE), no_restart=True)
+        start_reward_models(cfg, group)
+        again = {name: ray.get_actor(name, namespace=NAMESPACE)._actor_id for name in names}
+        assert again[names[0]] == first[names[0]] and again[names[1]] != first[names[1]]
+        assert placed() == {name: group.id.hex() for name in names}
+    finally:
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        remove_placement_group(group)
+
+
 def test_a_dead_or_hung_reward_model_is_a_counted_reward_error_not_a_hung_episode(ray_cluster, tiny_reward_model):
     import ray
 
@@ -205,7 +245,19 @@ def test_openrlhfs_ppo_command_line_passes_the_dry_run_counting_the_critics_and_
     report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])
     assert report["config"]["algo"]["advantage_estimator"] == "gae"  # OpenRLHF's default: PPO with a critic
     r = report["resources"]
-    assert (r["trainer_ranks"], r["critic_ranks"], r["reward_model_actors"], r["gpus"]) == (4, 4, 4, 4 + 8 + 4 + 4)
+    # --train.colocate_critic_reward: the reward models' actors share the critic's 4 GPUs, as OpenRLHF places them.
+    assert r["placement"] == {"critic": "own", "rewards": "critic"}
+    assert (r["trainer_ranks"], r["critic_ranks"], r["reward_model_actors"], r["gpus"]) == (4, 4, 4, 4 + 8 + 4)
+    # Without the flag each has devices of its own; with unequal counts the flag is refused in one line.
+    flags = [*_ppo_flags(inputs, llama, llama), "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"]
+    apart = _cli([f for f in flags if f != "--train.colocate_critic_reward"], inputs, 120)
+    assert json.loads(apart.stdout[: apart.stdout.rindex("\ndry run:")])["resources"]["gpus"] == 4 + 8 + 4 + 4
+    unequal = _cli([*flags, "--reward.num_gpus_per_node", "2"], inputs, 120)
+    assert unequal.returncode == 2 and "Traceback" not in unequal.stderr
+    assert unequal.stderr.strip().splitlines()[-1] == (
+        "error: --train.colocate_critic_reward puts --reward's models on --critic's devices, one to one: "
+        "--reward.num_nodes 1 x --reward.num_gpus_per_node 2 must equal --critic.num_nodes 1 x "
+        "--critic.num_gpus_per_node 4; make them equal or drop --train.colocate_critic_reward")
 
 
 def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models_rewards_with_a_critic(
@@ -236,3 +288,35 @@ def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models
     critic = build_value_model(str(inputs / "exp_critic"), {"dtype": torch.float32})  # OpenRLHF's <save_path>_critic
     reward_model = build_value_model(tiny_reward_model, {"dtype": torch.float32})
     assert not torch.equal(critic.score.weight, reward_model.score.weight)  # it started from the RM, and trained
+
+
+def test_openrlhfs_ppo_hybrid_script_scaled_down_trains_with_critic_and_reward_model_beside_the_sleeping_engines(
+        inputs, tiny_model_path, tiny_reward_model):
+    """0.11's train_ppo_ray_hybrid_engine.sh (--train.colocate_all in sync mode): the critic's ranks and the reward
+    models' actors share the policy's bundles with the engines; the critic's states leave with the policy's while the
+    engines generate and come back with them to train."""
+    from test_hybrid import SCALED, _cli, script_flags
+
+    folder = inputs
+    flags = script_flags("ppo", folder, tiny_model_path)
+    flags[flags.index("--reward.model_name_or_path") + 1] = tiny_reward_model
+    flags += [*SCALED, "--critic.num_gpus_per_node", "2", "--reward.num_gpus_per_node", "2",
+              "--runs_dir", str(folder / "runs"), "--run_name", "ppo", "--no-progress"]
+    done = _cli(flags, folder, 900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = folder / "runs" / "ppo"
+    trained = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
+    assert [m["engine_weight_version"] for m in trained] == [1, 2]
+    for m in trained:
+        assert "rollout/extra/reward_model_0" in m and m["critic/value_loss"] > 0 and m["timing/critic_s"] > 0
+    spans = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert {"reward model 0.0", "reward model 0.1"} <= {s["actor"] for s in spans}
+    for step in (1, 2):
+        def of(actor, kind):
+            return sorted((s for s in spans if s["step"] == step and s["actor"] == actor and s["kind"] == kind),
+                          key=lambda s: s["start"])
+        sleep, wakes = of("engine 0", "sleep")[-1], of("engine 0", "wake")
+        for actor in ("rank 0", "critic 0", "critic 1"):  # the critic's states follow the policy's
+            reload, offload = of(actor, "reload")[-1], of(actor, "offload")[-1]
+            assert sleep["end"] <= reload["start"] < offload["start"], (actor, step)
+            assert any(offload["end"] <= w["start"] for w in wakes), f"{actor}: states kept while the engines woke"

@@ -92,9 +92,12 @@ def _newest_step(metrics) -> int:
     return max(steps)
 
 
-def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("critic", [False, pytest.param(True, id="gae-critic", marks=pytest.mark.long)])
+def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path,
+                                                                                      critic):
     """The CLI as a user runs it (their own JSONL files and field names, ZeRO-3 on 2 ranks, gloo weight sync,
-    evaluation), killed with SIGKILL after a checkpoint and resumed to the end."""
+    evaluation), killed with SIGKILL after a checkpoint and resumed to the end; with a critic (gae), the critic's
+    ranks resume from the checkpoint's critic/ too (tests/test_critic.py checks that this restores it exactly)."""
     import psutil
 
     # More prompts than the run uses: a prompt id seen twice is an error.
@@ -103,11 +106,14 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--eval.dataset", str(tmp_path / "eval.jsonl"),
              "--data.input_key", "question", "--data.label_key", "answer", "--train.async_enable",
              "--ckpt.save_steps", "2"]
+    if critic:
+        flags += ["--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "1"]
     run_dir = tmp_path / "runs" / "resume"
     proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3,
                            until_file=run_dir / "ckpt" / "step_2" / "trainer_state.json")
     descendants = psutil.Process(proc.pid).children(recursive=True)
-    heavy = [p for p in descendants if any(k in " ".join(p.cmdline()) for k in ("VLLM", "LLMRayActor", "PolicyActor"))]
+    heavy = [p for p in descendants if any(k in " ".join(p.cmdline())
+                                           for k in ("VLLM", "LLMRayActor", "PolicyActor", "CriticActor"))]
     # Kill just after an odd step: checkpoints come every 2, so it is trained and in no checkpoint. (Listing the
     # processes above takes long enough for the next step and its checkpoint to land: killing right after it lost
     # nothing once, and the test then failed on a run that did all it should.)
@@ -124,6 +130,8 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     saved = sorted(p.name for p in (run_dir / "ckpt").iterdir())
     resumed_from = max(int(name[5:]) for name in saved if not name.endswith(".partial"))
     assert resumed_from >= 2 and max(killed_steps) > resumed_from  # the kill lost trained steps
+    if critic:  # the critic's DeepSpeed state beside the policy's in the checkpoint the run resumes from
+        assert (run_dir / "ckpt" / f"step_{resumed_from}" / "critic" / "deepspeed").is_dir()
 
     cmd = _command(tmp_path, tiny_model_path, "resume", *flags, "--ckpt.load_enable")
     last_step = resumed_from + 3
@@ -141,7 +149,8 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     assert [m["engine_weight_version"] for m in trained] == steps, "engines did not load each new version"
     for m in trained:
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-        for key in ("reward/mean", "timing/generate_s", "timing/train_s", "timing/sync_s"):
+        for key in ("reward/mean", "timing/generate_s", "timing/train_s", "timing/sync_s",
+                    *(("critic/value_loss", "timing/critic_s") if critic else ())):
             assert key in m
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
 

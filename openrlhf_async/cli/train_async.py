@@ -108,7 +108,7 @@ def load_datasets(cfg, builtin_dir: str):
 
 def resources(cfg) -> dict:
     """What the run occupies: vLLM engines (each tensor_parallel_size GPUs on cuda), DeepSpeed ranks, with gae the
-    critic's ranks, and the reward models' actors (a GPU each)."""
+    critic's ranks, and the reward models' actors (a GPU each), less what shares another's GPUs (cfg.placement)."""
     engine_gpus = cfg.num_engines * cfg.vllm.tensor_parallel_size
     critic = cfg.critic.world_size if cfg.algo.advantage_estimator == "gae" else 0
     r = cfg.reward
@@ -116,10 +116,12 @@ def resources(cfg) -> dict:
         r.num_gpus_per_node
     # The hybrid engine's engines share the trainer's GPUs (validate checked that they cover them exactly).
     gpus = max(engine_gpus, cfg.actor.world_size) if cfg.hybrid else engine_gpus + cfg.actor.world_size
+    own = {role: cfg.placement[role] == "own" for role in ("critic", "rewards")}
     return {"device": cfg.device, "vllm_engines": cfg.num_engines,
             "tensor_parallel_size": cfg.vllm.tensor_parallel_size, "trainer_ranks": cfg.actor.world_size,
             "critic_ranks": critic, "reward_model_actors": reward_models, "hybrid": cfg.hybrid,
-            "gpus": gpus + critic + reward_models if cfg.device == "cuda" else 0}
+            "placement": cfg.placement,
+            "gpus": gpus + critic * own["critic"] + reward_models * own["rewards"] if cfg.device == "cuda" else 0}
 
 
 def check_cluster(cfg) -> None:
@@ -134,9 +136,9 @@ def check_cluster(cfg) -> None:
         raise ConfigError(f"--device cuda: the run needs {need} GPUs ({cfg.num_engines} engines x "
                           f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}{shared} "
                           f"{cfg.actor.world_size} trainer ranks"
-                          + (f" + {cfg.critic.world_size} critic ranks" if resources(cfg)["critic_ranks"] else "")
+                          + (f" + {cfg.critic.world_size} critic ranks" if cfg.placement["critic"] == "own" else "")
                           + (f" + {resources(cfg)['reward_model_actors']} reward-model actors"
-                             if resources(cfg)["reward_model_actors"] else "")
+                             if cfg.placement["rewards"] == "own" else "")
                           + f") and the Ray cluster has {have}; lower them or use "
                           "--device cpu")
 

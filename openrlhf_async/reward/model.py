@@ -97,28 +97,45 @@ class RewardModelActor:
         return out
 
 
-def start_reward_models(cfg) -> tuple:
-    """The run's reward-model actors, named so that the engines find them (ray.get_actor): one group of
-    --reward.num_nodes x --reward.num_gpus_per_node per model in --reward.model_name_or_path. Returns their names,
-    per model."""
-    import ray
-
+def reward_model_names(cfg) -> tuple:
+    """The run's reward-model actors' names, per model in --reward.model_name_or_path: --reward.num_nodes x
+    --reward.num_gpus_per_node each. Known before the actors start, so that the engines (which find them by name)
+    can start first."""
     r = cfg.reward
     paths = [p.strip() for p in (r.model_name_or_path or "").split(",") if p.strip()]
     run = uuid.uuid4().hex[:12]
-    opts = {"num_gpus": 1, "num_cpus": 0} if cfg.device == "cuda" else {"num_cpus": 0}
-    names, actors = [], []
-    for m, path in enumerate(paths):
-        group = [f"openrlhf_async-reward-{run}-{m}-{i}" for i in range(r.num_nodes * r.num_gpus_per_node)]
-        for name in group:
+    return tuple(tuple(f"openrlhf_async-reward-{run}-{m}-{i}" for i in range(r.num_nodes * r.num_gpus_per_node))
+                 for m in range(len(paths)))
+
+
+def start_reward_models(cfg, group=None) -> None:
+    """Start the reward-model actors named in cfg.reward.models that are not running (none at a restart, unless one
+    died). group: the placement group whose bundles they share (cfg.placement: the policy's or the critic's), actor
+    i of each model in bundle i with a share of its GPU; None: a GPU each of their own."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from openrlhf_async.rollout.engine import HYBRID_GPU_SHARE
+
+    r = cfg.reward
+    paths = [p.strip() for p in (r.model_name_or_path or "").split(",") if p.strip()]
+    opts = {"num_gpus": HYBRID_GPU_SHARE if group else 1, "num_cpus": 0} if cfg.device == "cuda" else {"num_cpus": 0}
+    actors = []
+    for m, (path, names) in enumerate(zip(paths, cfg.reward.models)):
+        for i, name in enumerate(names):
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+                continue
+            except ValueError:
+                pass
+            place = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=i % len(group.bundle_specs))} if group else {}
             actors.append(ray.remote(RewardModelActor).options(name=name, namespace=NAMESPACE, max_concurrency=1000,
-                                                               **opts).remote(
+                                                               **opts, **place).remote(
                 path, cfg.ds.value_head_prefix, cfg.dtype, cfg.device, r.normalize_enable, cfg.data.max_len,
-                cfg.rollout.micro_batch_size, f"reward model {m}.{name.rsplit('-', 1)[1]}"))
-        names.append(tuple(group))
+                cfg.rollout.micro_batch_size, f"reward model {m}.{i}"))
     ray.get([a.ready.remote() for a in actors])
     _STARTED.extend(actors)  # a named actor still ends when its creator drops every handle: the driver keeps them
-    return tuple(names)
 
 
 def reward_model_actors(cfg) -> list:

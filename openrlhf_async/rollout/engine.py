@@ -355,7 +355,8 @@ def executor_backend(vllm) -> Optional[str]:
     return "uni" if vllm.worker_in_engine_core else None
 
 
-HYBRID_GPU_SHARE = 0.2  # of a GPU, per engine worker and per trainer rank sharing it (as OpenRLHF asks Ray)
+# Of a GPU, per model sharing it (an engine worker, a trainer or critic rank, a reward model: as OpenRLHF asks Ray).
+HYBRID_GPU_SHARE = 0.2
 
 
 def engine_env(cfg, bundle: int = 0) -> dict:

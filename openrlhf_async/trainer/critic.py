@@ -99,7 +99,8 @@ class CriticActor(PolicyActor):
 
 
 class CriticGroup(PolicyGroup):
-    """The critic's ranks (--critic.num_nodes x --critic.num_gpus_per_node), a placement group of their own."""
+    """The critic's ranks (--critic.num_nodes x --critic.num_gpus_per_node): a placement group of their own, or the
+    policy's bundles with --train.colocate_all (cfg.placement)."""
 
     actor_class = CriticActor
 
@@ -108,12 +109,19 @@ class CriticGroup(PolicyGroup):
         return cfg.critic.world_size
 
     @staticmethod
+    def keeps_group(cfg) -> bool:
+        """In the policy's bundles (not its own group), or hosting the reward models (--train.colocate_critic_reward:
+        they outlive a restart's ranks)."""
+        return cfg.placement["critic"] == "policy" or cfg.placement["rewards"] == "critic"
+
+    @staticmethod
     def settings(cfg) -> dict:
         c = cfg.critic
         optim = {"lr": c.adam_lr, "betas": c.adam_betas, "eps": c.adam_eps, "weight_decay": c.adam_weight_decay,
                  "max_norm": c.max_norm, "scheduler": c.lr_scheduler, "warmup_ratio": c.lr_warmup_ratio,
                  "min_lr_ratio": c.min_lr_ratio, "total_steps": PolicyGroup.settings(cfg)["optim"]["total_steps"]}
-        ds = {**ds_settings(cfg), "lora": None, "enable_sleep": False, "value_head_prefix": cfg.ds.value_head_prefix}
+        # The hybrid engine's sleep offloads the critic's states with the policy's (ds_settings' enable_sleep).
+        ds = {**ds_settings(cfg), "lora": None, "value_head_prefix": cfg.ds.value_head_prefix}
         return dict(backend=cfg.backend, ds=ds, seed=cfg.train.seed, reference=False, optim=optim,
                     model=model_settings(cfg))
 
@@ -140,12 +148,16 @@ class CriticGroup(PolicyGroup):
         return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
 
 
-def with_critic(cfg, policy, model_path: str):
+def with_critic(cfg, policy, model_path: str, group=None):
     """The policy group with PPO's critic beside it when the run trains one (--algo.advantage.estimator gae): from
     --critic.model_name_or_path, else as OpenRLHF picks it: the (first) reward model when it alone scores (no
-    --reward.remote_url, no --train.agent_func_path), else the actor's model (its head then starts at random)."""
+    --reward.remote_url, no --train.agent_func_path), else the actor's model (its head then starts at random). Its
+    ranks go in the policy's bundles with --train.colocate_all, else in `group` (the critic's kept group, which the
+    reward models share) or a group of their own."""
     if cfg.algo.advantage_estimator == "gae":
         reward_models = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
         alone = reward_models and not cfg.reward.remote_url and not cfg.agent.func_path
-        policy.critic = CriticGroup(cfg, cfg.critic.model_name_or_path or (reward_models[0] if alone else model_path))
+        group = policy.group if cfg.placement["critic"] == "policy" else group
+        policy.critic = CriticGroup(cfg, cfg.critic.model_name_or_path or (reward_models[0] if alone else model_path),
+                                    group)
     return policy

@@ -69,6 +69,8 @@ class HybridWeightSync(WeightSync):
     def _ranks(self, method: str, *args) -> list:
         start = time.perf_counter()
         try:
+            if method in ("offload_states", "reload_states"):  # the critic's with the policy's
+                return get_all(_states(self.policy, method), self.timeout + 60)
             return get_all(self.policy.call(method, *args), self.timeout + 60)
         finally:
             if method in ("offload_states", "reload_states"):
@@ -172,6 +174,11 @@ class HybridWeightSync(WeightSync):
                         for r, a in enumerate(self.policy.actors)], self.timeout + 60)
 
 
+def _states(policy, method: str) -> list:
+    """offload_states / reload_states on the policy's ranks and the critic's: the object refs."""
+    return policy.call(method) + (policy.critic.call(method) if policy.critic is not None else [])
+
+
 def _bucket_bytes(bucket: list) -> int:
     import math
 
@@ -182,18 +189,23 @@ def _bucket_bytes(bucket: list) -> int:
 
 def start_hybrid(cfg, model_path: str, group, fleet):
     """The ranks of the hybrid engine, loaded after its engines (vLLM checks the free device memory as it starts, so
-    the engines come first, as in OpenRLHF): the engines sleep while the ranks load, the ranks' states are offloaded,
-    then the engines wake for the first batch. Returns the PolicyGroup."""
+    the engines come first, as in OpenRLHF): the engines sleep while the ranks, the critic's and the reward models
+    (not running yet) load in the same bundles, the ranks' states are offloaded, then the engines wake for the first
+    batch. Returns the PolicyGroup."""
     import ray
 
+    from openrlhf_async.reward.model import start_reward_models
+    from openrlhf_async.trainer.critic import with_critic
     from openrlhf_async.trainer.policy import PolicyGroup
 
     engines = list(ray.get(fleet.active.remote()).values())
     if cfg.vllm.enable_sleep:
         get_all([e.sleep.remote(1) for e in engines])
-    policy = PolicyGroup(cfg, model_path, group)
+    policy = with_critic(cfg, PolicyGroup(cfg, model_path, group), model_path)
+    if cfg.reward.model_name_or_path:
+        start_reward_models(cfg, policy.group)
     if cfg.ds.enable_sleep:
-        get_all(policy.call("offload_states"))
+        get_all(_states(policy, "offload_states"))
     if cfg.vllm.enable_sleep:
         get_all([e.wake_up.remote(None) for e in engines])
     return policy

@@ -93,6 +93,10 @@ class Setup:
     bucket_bytes: int = 0  # --train.weight_sync_bucket_mb
     lora_rank: int = 0  # --ds.lora.rank: the adapter alone has gradients and optimizer states; no second model
     lora_targets: object = "all-linear"
+    # Models colocated on each rank's device (--train.colocate_all): the critic rank's states and the reward models'
+    # weights while training; what of them stays on the device while the engines generate (the hybrid engine).
+    colocated_train: int = 0
+    colocated_kept: int = 0
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -172,7 +176,9 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
              "reference": reference, "activations": activations, "attention_mask": mask_bytes(s, T),
              "logits": logits}
-    states = weights + grads + optimizer + buffers + reference
+    if s.colocated_train:
+        parts["colocated"] = s.colocated_train
+    states = weights + grads + optimizer + buffers + reference + s.colocated_train
     parts["total"] = states + max(activations + parts["attention_mask"] + logits,
                                     logprob_pass + mask_bytes(s, s.logprob_tokens))
     return {k: int(v) for k, v in parts.items()}
@@ -195,7 +201,7 @@ def hybrid_bytes(rank: dict, engine: dict, s: Setup) -> dict:
     offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
     keeps nothing that counts; an engine that does not sleep keeps its whole share."""
     offloaded = s.trainer_sleep and not s.adam_offload
-    kept = rank["weights"] + rank["reference"] + (
+    kept = rank["weights"] + rank["reference"] + s.colocated_kept + (
         0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
     awake = engine["total"] or 0
     phases = {"generate": awake + kept,
@@ -350,6 +356,27 @@ def device_memory(cfg) -> tuple:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), False
 
 
+def colocated_bytes(cfg, s: Setup) -> dict:
+    """What --train.colocate_all adds to each rank's device (cfg.placement): the critic rank's states (its ZeRO
+    partition of weights, gradients, optimizer; its activations come when the policy's are gone) and each reward
+    model's whole weights (an actor per model on every device). Shapes that cannot be read count as the actor's."""
+    critic = reward = 0
+    if cfg.placement["critic"] == "policy":
+        rm = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
+        m = model_shape(cfg.critic.model_name_or_path or (rm[0] if rm else cfg.actor.model_name_or_path)) or \
+            model_shape(cfg.actor.model_name_or_path)
+        part = rank_bytes(m, dataclasses.replace(s, reference=False, lora_rank=0, ranks=cfg.critic.world_size))
+        critic = {"train": part["weights"] + part["gradients"] + part["optimizer"] + part["buffers"],
+                  "kept": part["weights"] if s.trainer_sleep and not s.adam_offload else None}
+        critic["kept"] = critic["train"] if critic["kept"] is None else critic["kept"]
+    if cfg.placement["rewards"] == "policy":
+        for path in (p.strip() for p in cfg.reward.model_name_or_path.split(",") if p.strip()):
+            m = model_shape(path) or model_shape(cfg.actor.model_name_or_path)
+            reward += s.dtype_bytes * m.params
+    return {"colocated_train": int((critic and critic["train"]) + reward),
+            "colocated_kept": int((critic and critic["kept"]) + reward)}
+
+
 def for_config(cfg):
     """The run's plan (None where the model's shape cannot be read); raises ConfigError where it cannot fit."""
     from openrlhf_async.config import ConfigError
@@ -357,7 +384,7 @@ def for_config(cfg):
     shape = model_shape(cfg.actor.model_name_or_path)
     if shape is None:
         return None
-    s = setup_of(cfg)
+    s = dataclasses.replace(setup_of(cfg), **colocated_bytes(cfg, setup_of(cfg)))
     p = plan(shape, s, *device_memory(cfg))
     why = refusal(p, shape, s, cfg.train.dynamic_batch_enable, cfg.data.max_len)
     if why:

@@ -655,8 +655,9 @@ class PolicyGroup:
     actor_class = PolicyActor
 
     def __init__(self, cfg, model_path: str, group=None):
-        """group: the placement group to place the ranks in (a bundle each); None: one of their own. The hybrid
-        engine's group is shared with the engines and outlives the ranks."""
+        """group: the placement group to place the ranks in (a bundle each); None: one of their own. A group other
+        models share (keeps_group: the hybrid engine's engines, colocated critic and reward models) outlives the
+        ranks, and the ranks of a restart take it again."""
         import ray
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -665,7 +666,7 @@ class PolicyGroup:
 
         actor_cls = ray.remote(self.actor_class)
         world = self.world_size(cfg)
-        self.owns_group = group is None or not cfg.hybrid
+        self.owns_group = not self.keeps_group(cfg)
         self.group = group or trainer_placement_group(cfg, world)
 
         def in_bundle(rank: int) -> dict:
@@ -675,8 +676,8 @@ class PolicyGroup:
         # The rendezvous address and a free port are taken on rank 0's own node: Ray may place it on any node.
         self.rendezvous = ray.get(ray.remote(_node_address).options(num_cpus=0, **in_bundle(0)).remote())
         _, master_addr, master_port = self.rendezvous
-        opts = {"num_gpus": HYBRID_GPU_SHARE if cfg.hybrid else 1, "num_cpus": 0} if cfg.device == "cuda" else {
-            "num_cpus": 0}
+        opts = {"num_gpus": HYBRID_GPU_SHARE if self.keeps_group(cfg) else 1, "num_cpus": 0} \
+            if cfg.device == "cuda" else {"num_cpus": 0}
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))} if cfg.device == "cpu" else {}
         self.actors = [
             actor_cls.options(**opts, **in_bundle(rank), runtime_env={"env_vars": env}).remote(
@@ -690,6 +691,11 @@ class PolicyGroup:
     @staticmethod
     def world_size(cfg) -> int:
         return cfg.actor.world_size
+
+    @staticmethod
+    def keeps_group(cfg) -> bool:
+        """Other models share the ranks' bundles (each rank then takes a share of its GPU)."""
+        return cfg.hybrid or "policy" in cfg.placement.values()
 
     @staticmethod
     def settings(cfg) -> dict:

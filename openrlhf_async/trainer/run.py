@@ -81,11 +81,16 @@ def start_actors(cfg, model_path: str) -> tuple:
     from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
 
     group = trainer_placement_group(cfg)
+    # With --train.colocate_critic_reward the critic's group is placed here too: the reward models share it.
+    critic_group = trainer_placement_group(cfg, cfg.critic.world_size) if cfg.placement["rewards"] == "critic" \
+        else None
     check_shared_folders(cfg, group_nodes(group))
-    if cfg.reward.model_name_or_path:  # before the engines, which score with them
-        from openrlhf_async.reward.model import start_reward_models
+    if cfg.reward.model_name_or_path:
+        from openrlhf_async.reward.model import reward_model_names, start_reward_models
 
-        cfg.reward.models = start_reward_models(cfg)
+        cfg.reward.models = reward_model_names(cfg)  # the engines find them by these names
+        if not cfg.hybrid:  # the hybrid engine starts them while its engines sleep
+            start_reward_models(cfg, critic_group or (group if cfg.placement["rewards"] == "policy" else None))
     if cfg.hybrid:  # the engines first, in the ranks' bundles (trainer/hybrid.py)
         import ray
 
@@ -93,11 +98,11 @@ def start_actors(cfg, model_path: str) -> tuple:
 
         fleet = start_fleet(cfg, model_path, group)
         ray.get(fleet.wait_ready.remote())
-        return fleet, with_critic(cfg, start_hybrid(cfg, model_path, group, fleet), model_path)
+        return fleet, start_hybrid(cfg, model_path, group, fleet)
     with ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(PolicyGroup, cfg, model_path, group)
         fleet = start_fleet(cfg, model_path)
-        return fleet, with_critic(cfg, ranks.result(), model_path)
+        return fleet, with_critic(cfg, ranks.result(), model_path, critic_group)
 
 
 def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts: list, eval_prompts: list,
@@ -142,9 +147,13 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
             auto_resumes += 1
         finally:
             log.close()
+        # Groups that other models share outlive the ranks: the new ranks take them again.
+        kept = None if policy.owns_group else policy.group
+        critic_kept = policy.critic.group if policy.critic is not None and cfg.placement["rewards"] == "critic" \
+            else None
         policy.shutdown()
-        policy = start_hybrid(cfg, model_path, policy.group, fleet) if cfg.hybrid else PolicyGroup(cfg, model_path)
-        policy = with_critic(cfg, policy, model_path)
+        policy = start_hybrid(cfg, model_path, kept, fleet) if cfg.hybrid else \
+            with_critic(cfg, PolicyGroup(cfg, model_path, kept), model_path, critic_kept)
         check_shared_folders(cfg, group_nodes(policy.group))  # the new ranks may sit on other nodes
 
 
