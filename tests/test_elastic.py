@@ -247,6 +247,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.long  # 2 minutes; tests/test_cluster.py checks the placement order and the ranks kept together in less
 def test_trainer_ranks_follow_their_placement_group_and_rendezvous_on_rank_0s_own_node(tmp_path):
     """On a simulated 2-node cluster: SPREAD puts the two ZeRO-3 ranks on two nodes, PACK on one, and DeepSpeed's
     rendezvous address is taken on the node Ray put rank 0 on (not the driver's): both groups form."""

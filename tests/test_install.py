@@ -51,6 +51,7 @@ def test_makefile_installs_openrlhf_without_deps(device):
     assert installs[-1] == openrlhf[0], "openrlhf goes in last, after everything its agent API imports"
 
 
+@pytest.mark.long  # 75 s of pip resolving against the index; the CPU install is what make test itself runs
 def test_cuda_install_resolves_without_flash_attn(tmp_path):
     installs = _pip_installs("cuda")
     with_deps = [args for args in installs if "--no-deps" not in args]

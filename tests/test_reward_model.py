@@ -260,6 +260,7 @@ def test_openrlhfs_ppo_command_line_passes_the_dry_run_counting_the_critics_and_
         "--critic.num_gpus_per_node 4; make them equal or drop --train.colocate_critic_reward")
 
 
+@pytest.mark.long  # 140 s; make test trains OpenRLHF's PPO hybrid script (critic and reward model) scaled down instead
 def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models_rewards_with_a_critic(
         inputs, tiny_model_path, tiny_reward_model):
     from test_hybrid import SCALED, _cli
