@@ -132,6 +132,7 @@ def test_a_dry_run_rejects_a_bad_override_with_one_line(data_dir):
     assert proc.stderr.strip() == "error: --rollout.max_new_tokens 30000 must be below --data.max_len 22528"
 
 
+@pytest.mark.long  # 3 minutes (a Ray head of its own): make test-long; make test checks submit.sh's runtime_env
 def test_the_cpu_demo_submitted_as_a_ray_job_succeeds(tmp_path):
     gcs, dashboard, *agents = (free_port() for _ in range(6))
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}

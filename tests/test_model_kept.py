@@ -66,7 +66,6 @@ def _changed(model_dir, tiny_model_path) -> bool:
     return set(saved) == set(initial) and any((saved[k] - initial[k]).abs().max() > 0 for k in initial)
 
 
-@pytest.mark.long  # 2 minutes; the next test keeps a stopped run's model through the same save in less
 def test_a_final_save_that_fails_keeps_the_model_in_the_run_folder_and_says_so(tmp_path, tiny_model_path, full_disk,
                                                                              run_cli):
     """The run trained to the end and stopped with OSError, keeping nothing."""
@@ -96,6 +95,7 @@ async def reward_func(queries, prompts, labels, **kwargs):
 """
 
 
+@pytest.mark.long  # 155 s; the test above keeps a stopped run's model through the same save in less (2 minutes)
 def test_a_run_stopped_by_an_error_after_training_keeps_its_model_and_says_where_and_at_which_step(
         tmp_path, tiny_model_path, run_cli):
     """A run that trained steps and then lost its reward stopped with the error and kept nothing of its training."""

@@ -109,6 +109,7 @@ def test_openrlhfs_async_agent_script_passes_a_dry_run_with_notices_for_what_has
     assert report["datasets"]["train_rows"] == 8
 
 
+@pytest.mark.long  # 100 s: make test-long; make test dry-runs the script and trains agents through the same executor
 def test_openrlhfs_async_agent_script_trains_two_steps_on_cpu(workspace):
     cwd, flags = workspace
     proc = _run(cwd, flags, 600)

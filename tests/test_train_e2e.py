@@ -253,6 +253,7 @@ def test_faults_a_hung_reward_and_a_dead_engine_are_survived_a_dead_rank_stops_a
     assert report["resume_from"] == {"path": str(newest), "step": int(newest.name[5:])}
 
 
+@pytest.mark.long  # 80 s: make test-long (the suite's time budget); the SIGKILL test checks no process outlives a run
 def test_ctrl_c_stops_a_fully_async_run_within_30_seconds_leaving_no_process(tmp_path, tiny_model_path):
     import signal
 
