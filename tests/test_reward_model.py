@@ -253,6 +253,11 @@ PPO_SCRIPT = """
     --actor.gradient_checkpointing_enable --ds.packing_samples"""
 
 
+def _trained_steps(run_dir) -> list:
+    """A CLI run's metrics records of its training steps (step 0, the evaluation before training, left out)."""
+    return [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
+
+
 def _ppo_flags(inputs, model, reward_model) -> list:
     files = {"model": model, "reward_model": reward_model, "data": inputs / "prompts.jsonl", "save": inputs / "exp"}
     return PPO_SCRIPT.format(**{k: str(v) for k, v in files.items()}).split()
@@ -299,7 +304,7 @@ def test_openrlhfs_ppo_command_line_scaled_down_trains_on_the_tiny_reward_models
     done = _cli(flags, inputs, 900)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = inputs / "runs" / "ppo"
-    trained = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
+    trained = _trained_steps(run_dir)
     assert [m["weight_version"] for m in trained] == [1, 2]
     for m in trained:  # the reward model's normalised rewards, not the math agent's 0 or 1
         assert "rollout/extra/reward_model_0" in m and m["reward/mean"] not in (0.0, 1.0), m
@@ -321,15 +326,14 @@ def test_openrlhfs_ppo_hybrid_script_scaled_down_trains_with_critic_and_reward_m
     engines generate and come back with them to train."""
     from test_hybrid import SCALED, _cli, script_flags
 
-    folder = inputs
-    flags = script_flags("ppo", folder, tiny_model_path)
+    flags = script_flags("ppo", inputs, tiny_model_path)
     flags[flags.index("--reward.model_name_or_path") + 1] = tiny_reward_model
     flags += [*SCALED, "--critic.num_gpus_per_node", "2", "--reward.num_gpus_per_node", "2",
-              "--runs_dir", str(folder / "runs"), "--run_name", "ppo", "--no-progress"]
-    done = _cli(flags, folder, 900)
+              "--runs_dir", str(inputs / "runs"), "--run_name", "ppo", "--no-progress"]
+    done = _cli(flags, inputs, 900)
     assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = folder / "runs" / "ppo"
-    trained = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("step")]
+    run_dir = inputs / "runs" / "ppo"
+    trained = _trained_steps(run_dir)
     assert [m["engine_weight_version"] for m in trained] == [1, 2]
     for m in trained:
         assert "rollout/extra/reward_model_0" in m and m["critic/value_loss"] > 0 and m["timing/critic_s"] > 0
