@@ -384,7 +384,8 @@ def for_config(cfg):
     shape = model_shape(cfg.actor.model_name_or_path)
     if shape is None:
         return None
-    s = dataclasses.replace(setup_of(cfg), **colocated_bytes(cfg, setup_of(cfg)))
+    s = setup_of(cfg)
+    s = dataclasses.replace(s, **colocated_bytes(cfg, s))
     p = plan(shape, s, *device_memory(cfg))
     why = refusal(p, shape, s, cfg.train.dynamic_batch_enable, cfg.data.max_len)
     if why:
