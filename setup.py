@@ -17,6 +17,8 @@ COMMON = [
     "math-verify==0.9.0",
     "pyseccomp==0.1.2",  # the code sandbox's seccomp filter, compiled by the system's libseccomp
     "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers
+    "openai>=2.54,<3",  # the client of agents written against the OpenAI API (rollout/endpoint.py); vLLM's too
+    "reasoning-gym==0.1.25",  # task generators and their scorers (--data.reasoning_gym)
     "wandb==0.31.0",
     "tensorboard",
     "pyarrow",

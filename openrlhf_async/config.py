@@ -334,6 +334,26 @@ class AgentConfig:
                                   range="> 0 s")
     max_error_ratio: float = setting(0.5, "stop the run when more than this share of a batch's episodes failed in "
                                           "the agent", range="[0, 1]")
+    tool_call_parser: Optional[str] = setting(None, "the OpenAI endpoint's tool-call parser (vLLM's "
+                                                    "--tool-call-parser: hermes, llama3_json, qwen3_coder, ...): the "
+                                                    "model's tool calls come back as `tool_calls`; none: as text",
+                                              type=str)
+    reasoning_parser: Optional[str] = setting(None, "the OpenAI endpoint's reasoning parser (vLLM's "
+                                                    "--reasoning-parser: qwen3, deepseek_r1, ...): the thinking comes "
+                                                    "back as `reasoning`; none: in the content", type=str)
+    openai_port: int = setting(0, "the OpenAI endpoint also listens on the network: engine i on this port + i (for "
+                                  "agents outside the engine's process; episode URLs are "
+                                  "http://HOST:PORT/episodes/<id>/v1); 0: in process only", range=">= 0",
+                               most=65535)
+    openai_host: str = setting("127.0.0.1", "the address the OpenAI endpoint listens on with --agent.openai_port "
+                                            "(0.0.0.0: every address of the node; it has no authentication)")
+    verifiers_env: Optional[str] = setting(None, "a `verifiers` environment as the agent: its id (an installed "
+                                                 "environment package, loaded with verifiers.load_environment) or "
+                                                 "a .py file defining load_environment(**args); its rollouts run "
+                                                 "against the engine's OpenAI endpoint and its rubric scores them; "
+                                                 "without --data.prompt_dataset its dataset gives the prompts",
+                                           type=str)
+    verifiers_args: str = setting("{}", "the verifiers environment's arguments, as a JSON object")
     sandbox: str = setting("bwrap", "how agents' tools run model-written code: bwrap (operating-system isolation "
                                     "with bubblewrap; refuses to run the code where it is missing) or unsafe (no "
                                     "isolation: accept the risk that model code reads and writes what the engine can)",

@@ -1,5 +1,14 @@
 """User agents: a step file (`step(state, action, label) -> (reward, next_state, done, extra_info)`, or OpenRLHF
-0.8's dict-returning step) or an OpenRLHF 0.11 agent file (`AgentExecutor` built on `openrlhf.utils.agent`).
+0.8's dict-returning step), an OpenRLHF 0.11 agent file (`AgentExecutor` built on `openrlhf.utils.agent`), an agent
+written against the OpenAI API (`async def run(client, model, prompt, label, **info)`), or a `verifiers` environment
+(agent/verifiers_env.py).
+
+The OpenAI-API contract: `client` is an `openai.AsyncOpenAI` bound to this episode on the engine's OpenAI-compatible
+endpoint (rollout/endpoint.py), `model` the name to pass it, `prompt` the dataset's prompt (text or chat messages),
+`label` its label; `info` holds `base_url`, the episode's network address when the endpoint listens
+(--agent.openai_port), else None. It makes any number of chat or completion calls, with or without tools, and
+returns the episode's reward: a number, or a dict with "reward" and optionally "scores" (what the filter reads) and
+"extra_logs". Its training sample is the tokens vLLM sampled for those calls, whatever text the agent kept.
 
 The step contract, as this project defines it:
 - `state`: the episode's text so far (the prompt, then every action and observation), as the model sees it;
@@ -35,8 +44,8 @@ from openrlhf_async.utils.user_files import import_user_file
 STEP_THREADS = 64
 DEFAULT_AGENT = os.path.join(os.path.dirname(__file__), "math_single_turn.py")
 CONTRACT = ("a module-level `step(state, action, label)` returning (reward, next_state, done, extra_info) "
-            '(or OpenRLHF 0.8\'s dict {"rewards", "next_observation", "done", ...}), or an OpenRLHF `AgentExecutor` '
-            "class")
+            '(or OpenRLHF 0.8\'s dict {"rewards", "next_observation", "done", ...}), an OpenRLHF `AgentExecutor` '
+            "class, or `async def run(client, model, prompt, label, **info)` returning the reward (OpenAI API)")
 STEP_DICT_KEYS = ("rewards", "next_observation", "done")
 
 
@@ -156,6 +165,36 @@ class StepAgent:
             self._runner.close()
 
 
+class OpenAIAgent:
+    """An agent written against the OpenAI API (see the module's docstring); its episodes run in
+    rollout/endpoint.py: run_openai_episode."""
+
+    kind = "openai"
+
+    def __init__(self, path: str, run):
+        self.path, self._run = path, run
+
+    async def run(self, client, model: str, prompt, label, **info) -> StepResult:
+        return check_run_result(await self._run(client, model, prompt, label, **info))
+
+    def close(self):
+        pass
+
+
+def check_run_result(value) -> StepResult:
+    """An OpenAI-API agent's answer: its reward, or {"reward", "scores" (optional), "extra_logs" (optional)}."""
+    score, extra = None, {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise AgentStepError(f"run returned a dict without 'reward' (keys: {', '.join(map(str, value))}); "
+                                 'expected a number or {"reward", "scores", "extra_logs"}')
+        score = None if value.get("scores") is None else _number(value["scores"], "scores")
+        extra = dict(value.get("extra_logs") or {})
+        value = value["reward"]
+    reward = _number(value, "reward")
+    return StepResult(reward, "", True, extra, reward if score is None else score)
+
+
 class ExecutorAgent:
     """An OpenRLHF 0.11 agent file: its AgentExecutor drives generation through an engine adapter. An
     AgentInstance with an `async def __init__` (OpenRLHF's MultiTurnAgentExecutor cannot build one) is built with
@@ -216,6 +255,12 @@ def load_agent(path: str = "", workers: int = 0):
             raise AgentFileError(f"--train.agent_func_path {path}: step takes {len(positional)} arguments; expected "
                                  "step(state, action, label) returning (reward, next_state, done, extra_info)")
         return StepAgent(path, module, workers)
+    run = getattr(module, "run", None)
+    if inspect.iscoroutinefunction(run):
+        if workers:
+            raise AgentFileError(f"--agent.workers {workers}: an OpenAI-API agent ({path}) runs on the engine's event "
+                                 "loop; use --agent.workers 0")
+        return OpenAIAgent(path, run)
     if isinstance(executor_cls, type):
         if workers:
             raise AgentFileError(f"--agent.workers {workers}: an AgentExecutor file ({path}) drives the engine "
@@ -232,4 +277,8 @@ def load_agent(path: str = "", workers: int = 0):
         except Exception as e:
             raise AgentFileError(f"--train.agent_func_path {path}: AgentExecutor() failed ({type(e).__name__}: {e})") from e
         return ExecutorAgent(path, executor)
-    raise AgentFileError(f"--train.agent_func_path {path}: defines neither step nor AgentExecutor; expected {CONTRACT}")
+    if callable(run):
+        raise AgentFileError(f"--train.agent_func_path {path}: run must be `async def run(client, model, prompt, "
+                             "label, **info)` (the OpenAI client's calls are awaited)")
+    raise AgentFileError(f"--train.agent_func_path {path}: defines none of step, AgentExecutor and run; expected "
+                         f"{CONTRACT}")

@@ -203,7 +203,7 @@ def check_input_template(template) -> None:
 
 
 def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_template=None) -> list:
-    """Prompt rows to [{"prompt_ids", "label"}]; a text prompt is one user turn, a message list goes in whole.
+    """Prompt rows to [{"prompt_ids", "label", "prompt"}]; a text prompt is one user turn, a message list goes in whole.
     Without the chat template, the text (a message list's contents, a line each) goes into input_template's {}."""
     out = []
     for row in rows:
@@ -214,7 +214,8 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_tem
         else:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
             ids = tokenizer.encode(input_template.format(text) if input_template else text)
-        out.append({"prompt_ids": list(ids), "label": row["label"]})
+        # The prompt as the dataset gave it, for agents written against the OpenAI API (they send the messages).
+        out.append({"prompt_ids": list(ids), "label": row["label"], "prompt": prompt})
     return out
 
 

@@ -280,7 +280,8 @@ class RolloutController:
         # At least one token: a prompt that leaves no room is vLLM's to refuse, with its own error.
         record.budget = prompt.get("budget") or max(1, self.budget(len(prompt["prompt_ids"])))
         call = submit(self.engines[engine], "generate_group", prompt["prompt_ids"], prompt["label"], self.n,
-                      self.sampling, record.group_id, record.budget, self.agent_path, self.screen_samples, self.filter)
+                      self.sampling, record.group_id, record.budget, self.agent_path, self.screen_samples, self.filter,
+                      None, prompt.get("prompt"))
         record.call = raising(call) if isinstance(call, Exception) else call  # a refused call: its engine died
         batch.watch(record)
 

@@ -78,10 +78,26 @@ class LLMRayActorAsync:
         self.weight_version = 0
         self.version_marks: dict = {}  # request id -> VersionMarks, while it runs
         self.tokens_finished = 0  # tokens of the requests that ended (progress() adds those running)
+        self.model_path, self.engine_index, self.agent_cfg = model_path, engine_index, agent
+        self._endpoint = None  # the OpenAI-compatible endpoint (rollout/endpoint.py), built on first use
+        self._endpoint_lock = asyncio.Lock()
         self.runner = GroupRunner(agent, reward, self.tokenizer)
 
     def ready(self) -> bool:
         return True
+
+    async def endpoint(self):
+        """This engine's OpenAI-compatible endpoint (rollout/endpoint.py), started on first use."""
+        from openrlhf_async.rollout.endpoint import Endpoint
+
+        async with self._endpoint_lock:
+            if self._endpoint is None:
+                self._endpoint = await Endpoint.start(self, self.model_path, self.agent_cfg)
+        return self._endpoint
+
+    async def openai_base_url(self) -> str:
+        """The endpoint's network address (`.../v1`), started if need be; None without --agent.openai_port."""
+        return (await self.endpoint()).base_url()
 
     async def get_weight_version(self) -> int:
         """The version vLLM holds (finish_weight_update set it; "default" before the first sync: 0)."""
@@ -92,8 +108,9 @@ class LLMRayActorAsync:
         """Spans since the last call: "generate" while any request is in flight, "sync" while loading weights."""
         return self.timeline.take()
 
-    async def request(self, prompt_ids: list, params, request_id: str, group_id: str = ""):
+    async def request(self, prompt_ids, params, request_id: str, group_id: str = "", **options):
         """One vLLM request under the semaphore: (final RequestOutput, the weight version of each token).
+        prompt_ids: token ids, or a prompt as vLLM's add_request takes it (the OpenAI endpoint's), with its options.
         vLLM hands back the final output alone (no per-token Python on the way); the versions come from the sync
         events the request lived through (receive_weights marks where each began). Raises EpisodeAborted if its
         group was aborted before the request reached vLLM."""
@@ -111,7 +128,8 @@ class LLMRayActorAsync:
             marks = self.version_marks[request_id] = VersionMarks(self.weight_version)
             queue = final = None
             try:
-                queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                prompt = {"prompt_token_ids": prompt_ids} if isinstance(prompt_ids, list) else prompt_ids
+                queue = await self.engine.add_request(request_id, prompt, params, **options)
                 marks.registered = True
                 final = None
                 while final is None or not final.finished:
@@ -171,7 +189,8 @@ class LLMRayActorAsync:
 
     async def generate_group(self, prompt_ids: list, label, n: int, sampling: dict, group_id: str,
                              budget, agent_path: str = None, screen: int = 0,
-                             group_filter: GroupFilter = GroupFilter(), reward_source: dict = None) -> list:
+                             group_filter: GroupFilter = GroupFilter(), reward_source: dict = None,
+                             prompt=None) -> list:
         """A prompt's n agent episodes, run concurrently; each is scored the moment it ends.
         budget: response tokens per episode (the model's and the environment's), or a list of n budgets.
         agent_path: the agent file (None: the run's own); another one is loaded once, then kept.
@@ -179,11 +198,12 @@ class LLMRayActorAsync:
         come back when it does not; see episode.run_group); 0: all n at once.
         group_filter: the rule that judges the screened episodes (the controller's batch filter).
         reward_source: make_reward's settings, as RewardConfig.source() gives them (None: the run's own);
-        other settings make another source once, then keep it."""
+        other settings make another source once, then keep it.
+        prompt: the dataset's prompt (text or chat messages), which an OpenAI-API agent sends itself."""
         self.groups.setdefault(group_id, set())
         try:
             return await self.runner.run(self, prompt_ids, label, n, sampling, group_id, budget, agent_path, screen,
-                                         group_filter, reward_source)
+                                         group_filter, reward_source, prompt)
         finally:
             self.groups.pop(group_id, None)
             self.aborted_groups.discard(group_id)

@@ -61,6 +61,10 @@ class Episode:
     error: Optional[tuple] = None  # (kind, message); kind is a key of batch.ERROR_KINDS
     aborted: bool = False  # its group was aborted (early stop) while it ran
     extra_info: dict = field(default_factory=dict)  # the agent's or reward source's extra logs (e.g. accuracy)
+    # Earlier segments of an episode whose turns are not one token sequence (an OpenAI-API agent whose chat template
+    # rewrites history: rollout/endpoint.py), each a dict of the token lists above; each trains as a sample of its
+    # own with the episode's reward. The fields above hold the last segment.
+    segments: list = field(default_factory=list)
 
 
 def extra_log_means(groups: list) -> dict:
@@ -224,12 +228,18 @@ def behaviour_logprobs(tokens: list, ranges: list, calls: list, start: int, give
 
 class EngineAdapter:
     """What an OpenRLHF AgentExecutor calls `llm_engine`: generate(prompt_token_ids, sampling_params) returning
-    vLLM's RequestOutput, routed through the engine actor's request path (semaphore, load, abort)."""
+    vLLM's RequestOutput, routed through the engine actor's request path (semaphore, load, abort). A call from
+    another event loop (OpenRLHF's OpenAI-server executor serves its app with uvicorn in a thread of its own) is run
+    on the engine's loop."""
 
     def __init__(self, request, request_id: str):
         self._request, self._request_id, self.calls = request, request_id, []
+        self._loop = asyncio.get_running_loop()
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs):
+        if asyncio.get_running_loop() is not self._loop:
+            future = asyncio.run_coroutine_threadsafe(self.generate(prompt_token_ids, sampling_params), self._loop)
+            return await asyncio.wrap_future(future)
         sampling_params.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
         output, versions = await self._request(list(prompt_token_ids), sampling_params,
                                                f"{self._request_id}-t{len(self.calls)}")

@@ -4,7 +4,8 @@ The runner holds what plays and scores episodes: agents (loaded once per file), 
 settings) and the built-in math-verify pool's settings. It reaches vLLM only through the engine it is given:
 `engine.tokenizer`, `engine.generate(prompt_ids, sampling, request_id, group_id)` (one completion) and
 `engine.request(prompt_ids, sampling_params, request_id, group_id)` (one raw vLLM request, for OpenRLHF
-AgentExecutor files)."""
+AgentExecutor files) and `engine.endpoint()` (its OpenAI-compatible endpoint, for agents written against the OpenAI
+API)."""
 
 import asyncio
 
@@ -54,15 +55,23 @@ class GroupRunner:
 
     async def run(self, engine, prompt_ids: list, label, n: int, sampling: dict, group_id: str, budget,
                   agent_path: str = None, screen: int = 0, group_filter: GroupFilter = GroupFilter(),
-                  reward_source: dict = None):
+                  reward_source: dict = None, prompt=None):
         """See LLMRayActorAsync.generate_group."""
         agent, reward = self.agent(agent_path), self.reward_source(reward_source)
         tokenizer = engine.tokenizer
         budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * n
         prompt_text = tokenizer.decode(prompt_ids) if reward is not None else None
 
+        endpoint = await engine.endpoint() if agent.kind == "openai" else None
+
         def episode(i: int):
-            if agent.kind == "executor":
+            if agent.kind == "openai":
+                from openrlhf_async.rollout.endpoint import run_openai_episode
+
+                ep = run_openai_episode(endpoint, agent, tokenizer.decode(prompt_ids) if prompt is None else prompt,
+                                        label, sampling, budgets[i], self.agent_step_timeout * self.agent_max_steps,
+                                        f"{group_id}-{i}", group_id)
+            elif agent.kind == "executor":
                 from vllm import SamplingParams
 
                 ep = run_executor_episode(

@@ -73,11 +73,19 @@ def stop_properly_penalty(episode, coef) -> float:
     return episode.reward * coef if coef >= 0 else coef
 
 
-def training_sample(episode, advantage: float) -> dict:
+def training_samples(episode, advantage) -> list:
     """What the policy ranks train on from an episode: its tokens, which of them the model wrote, their rollout
-    logprobs, and the episode's advantage."""
-    return {"prompt_ids": episode.prompt_ids, "response_ids": episode.response_ids, "logprobs": episode.logprobs,
-            "action_mask": episode.action_mask, "advantage": advantage}
+    logprobs, and the episode's advantage; one such sample per segment of an episode of several (Episode.segments),
+    each with the episode's advantage."""
+    return [{"prompt_ids": part.prompt_ids, "response_ids": part.response_ids, "logprobs": part.logprobs,
+             "action_mask": part.action_mask, "advantage": advantage} for part in episode_parts(episode)]
+
+
+def episode_parts(episode) -> list:
+    """An episode's segments as episodes of their own (sharing its reward and finish), the last being itself."""
+    import dataclasses
+
+    return [dataclasses.replace(episode, segments=[], **segment) for segment in episode.segments] + [episode]
 
 
 def _put(queue, item, stopped: threading.Event) -> bool:
@@ -366,13 +374,16 @@ class TrainingActor:
                 loss_cfg["kl"] = {**loss_cfg["kl"], "coef": self.kl.value}
                 self.weight_sync.to_train()  # the hybrid engine's engines sleep
                 if a.advantage_estimator == "gae":  # the KL is in its rewards already unless --algo.kl.use_loss
-                    samples, stats = self._with_critic([ep for g in groups for ep in g], rewards.flatten(), version)
+                    parts = [episode_parts(ep) for g in groups for ep in g]
+                    samples, stats = self._with_critic([p for ps in parts for p in ps], rewards.flatten()
+                                                       .repeat_interleave(torch.tensor([len(ps) for ps in parts])),
+                                                       version)
                     loss_cfg["kl"]["coef"] = self.kl.value if a.kl_use_loss else 0.0
                 else:
                     advantages = group_advantages(rewards, a.advantage_estimator, a.advantage_no_std_norm,
                                                   self.cfg.reward.clip_range, lengths)
-                    samples, stats = [training_sample(ep, adv) for g, row in zip(groups, advantages)
-                                      for ep, adv in zip(g, row.tolist())], {}
+                    samples, stats = [s for g, row in zip(groups, advantages)
+                                      for ep, adv in zip(g, row.tolist()) for s in training_samples(ep, adv)], {}
                 if self.step > self.cfg.critic.freezing_steps:  # the critic warms up first (gae)
                     stats.update(self.policy.train_batch(samples, t.micro_batch_size, loss_cfg, t.batch_size,
                                                          t.max_epochs, seed=t.seed + version))
@@ -415,7 +426,7 @@ class TrainingActor:
         a, t, critic = self.cfg.algo, self.cfg.train, self.policy.critic
         if self.cfg.reward.clip_range is not None:
             rewards = rewards.clamp(*self.cfg.reward.clip_range)
-        samples = [training_sample(ep, 0.0) for ep in episodes]
+        samples = [s for ep in episodes for s in training_samples(ep, 0.0)]
         with self.timeline.span("critic"):
             values = critic.values(samples)
         samples = self.policy._with_reference(samples, loss_settings(self.cfg, kl={"coef": self.kl.value}))
