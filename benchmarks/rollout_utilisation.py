@@ -12,6 +12,9 @@ sampling, carry-over) through the RolloutController, the engines' tokens generat
 --batches batches (counted by the engines, since groups carried over generate across batch ends).
 utilisation = rollout / saturated with log-probs; utilisation_vs_no_logprobs = rollout / saturated without.
 mean_requests_in_vllm: the engines' requests held by vLLM, sampled every 10 ms during the rollout.
+With --openai, the same rollout again with the agent written against the OpenAI API (bernoulli_openai_agent.py:
+each episode one text completion through the engine's OpenAI endpoint in process, recorded token for token):
+openai_vs_direct = its tokens per second / the direct rollout's, on the same engines in the same run.
 
 The engines are the project's engine actor with the probe methods added here, so the benchmark measures any
 checkout of the engine code (put it first on PYTHONPATH). Prints a final JSON line."""
@@ -19,6 +22,7 @@ checkout of the engine code (put it first on PYTHONPATH). Prints a final JSON li
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
                                                         "(SmolLM2-135M-Instruct, after `make smollm2`), a .gguf file "
                                                         "or an HF folder")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--openai", action="store_true",
+                        help="also run the rollout through the engines' OpenAI endpoint (openai_vs_direct)")
     parser.add_argument("--quick", action="store_true", help="a smaller run that finishes within 3 minutes")
     args = parser.parse_args(argv)
     if args.quick:
@@ -154,18 +160,32 @@ def main(argv=None) -> int:
     def made() -> int:
         return sum(ray.get([e.tokens_made.remote() for e in engines]))
 
-    # The engines' own count: the groups running across batch ends (carried over) generate all along.
-    start, at_start = time.perf_counter(), made()
-    for batch in range(args.batches):
-        begun = time.perf_counter()
-        groups, m = controller.run(stream, args.target)
-        print(f"rollout batch {batch}: {m['rollout/tokens_generated']} tokens in the groups that ended, "
-              f"{time.perf_counter() - begun:.2f} s", file=sys.stderr, flush=True)
-    tokens, seconds = made() - at_start, time.perf_counter() - start
+    def measured(controller, label: str) -> tuple:
+        """(tokens, seconds) of --batches batches, counted by the engines: the groups running across batch ends
+        (carried over) generate all along."""
+        start, at_start = time.perf_counter(), made()
+        for batch in range(args.batches):
+            begun = time.perf_counter()
+            groups, m = controller.run(stream, args.target)
+            print(f"{label} batch {batch}: {m['rollout/tokens_generated']} tokens in the groups that ended, "
+                  f"{time.perf_counter() - begun:.2f} s", file=sys.stderr, flush=True)
+        return made() - at_start, time.perf_counter() - start
+
+    tokens, seconds = measured(controller, "rollout")
     occupancy = ray.get([e.take_occupancy.remote() for e in engines])
     ray.get(watchers)
     controller.close()
     rollout = tokens / seconds
+    extra = {}
+    if args.openai:
+        agent = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bernoulli_openai_agent.py")
+        controller = RolloutController(config_with(cfg, rollout={"early_stop": True}, agent={"func_path": agent}),
+                                       engines, sampling={"temperature": 1.0, "ignore_eos": True}, carry_over=True)
+        controller.run(stream, 4)  # warm-up: the endpoints start
+        openai_tokens, openai_seconds = measured(controller, "openai")
+        controller.close()
+        extra = {"openai_rollout_tokens_per_s": round(openai_tokens / openai_seconds),
+                 "openai_vs_direct": round(openai_tokens / openai_seconds / rollout, 3)}
     flat_out["logprobs"].append(saturated(True, "flat-lp-after", args.window))
     flat_out["no_logprobs"].append(saturated(False, "flat-after", args.window))
     ray.shutdown()
@@ -182,7 +202,7 @@ def main(argv=None) -> int:
         "engines": args.engines, "target": args.target,
         "n": args.n, "batches": args.batches, "max_num_seqs": args.max_num_seqs,
         "max_concurrency": cfg.vllm.concurrency() if hasattr(cfg.vllm, "concurrency") else cfg.vllm.max_concurrency,
-        "vllm_generate_batch_size": cfg.rollout.vllm_generate_batch_size,
+        "vllm_generate_batch_size": cfg.rollout.vllm_generate_batch_size, **extra,
     }))
     return 0
 

@@ -347,13 +347,14 @@ class AgentConfig:
                                most=65535)
     openai_host: str = setting("127.0.0.1", "the address the OpenAI endpoint listens on with --agent.openai_port "
                                             "(0.0.0.0: every address of the node; it has no authentication)")
-    verifiers_env: Optional[str] = setting(None, "a `verifiers` environment as the agent: its id (an installed "
-                                                 "environment package, loaded with verifiers.load_environment) or "
-                                                 "a .py file defining load_environment(**args); its rollouts run "
-                                                 "against the engine's OpenAI endpoint and its rubric scores them; "
-                                                 "without --data.prompt_dataset its dataset gives the prompts",
-                                           type=str)
-    verifiers_args: str = setting("{}", "the verifiers environment's arguments, as a JSON object")
+    verifiers_env: Optional[str] = setting(None, "a `verifiers` (0.4, verifiers.v1) environment as the agent: an "
+                                                 "installed environment's module id or a .py file defining one; its "
+                                                 "episodes run against the engine's OpenAI endpoint (which then "
+                                                 "listens on --agent.openai_host) and its tasks' rewards score them; "
+                                                 "without --data.prompt_dataset its tasks are the prompts", type=str)
+    verifiers_args: str = setting("{}", "--agent.verifiers_env: its config (taskset, harness, agent, env "
+                                        "settings) as a JSON object, merged over {\"agent\": {\"runtime\": "
+                                        "{\"type\": \"subprocess\"}}}")
     sandbox: str = setting("bwrap", "how agents' tools run model-written code: bwrap (operating-system isolation "
                                     "with bubblewrap; refuses to run the code where it is missing) or unsafe (no "
                                     "isolation: accept the risk that model code reads and writes what the engine can)",
@@ -445,6 +446,13 @@ class DataConfig:
     image_key: str = setting("images", "dataset field of images", openrlhf="no effect: text only")
     max_images_per_prompt: int = setting(0, "images per prompt",
                                          openrlhf="refused: vision-language models are not supported")
+    reasoning_gym: Optional[str] = setting(None, "prompts from reasoning-gym task generators (comma-separated names, "
+                                                 "e.g. basic_arithmetic,chain_sum), scored by their own scorers on the "
+                                                 "response's last \\boxed{} answer (reward/reasoning_gym_reward.py); "
+                                                 "held-out questions from another seed are the eval set", type=str)
+    reasoning_gym_size: int = setting(1000, "--data.reasoning_gym: training questions per task", range=">= 1")
+    reasoning_gym_args: str = setting("{}", "--data.reasoning_gym: each task's generator settings, as a JSON object "
+                                            "by task name, e.g. '{\"chain_sum\": {\"max_terms\": 2}}'")
 
 
 @dataclass

@@ -63,7 +63,9 @@ def _stop_tree(pid: int) -> list:
     return tree
 
 
-@pytest.mark.parametrize("fault", ["killed", "hung", "killed_on_nccl"])
+# "killed" runs with the long tests (make test-long): "killed_on_nccl" kills an engine the same way, on the group with
+# NCCL's semantics, where its death is the harder to see.
+@pytest.mark.parametrize("fault", [pytest.param("killed", marks=pytest.mark.long), "hung", "killed_on_nccl"])
 def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_caught_up(
         fault, restore_weights, policy, fleet, tiny_model_path):
     """killed_on_nccl: the group has NCCL's semantics (gloo_as_nccl): a broadcast goes down a chain, so the engine

@@ -19,6 +19,7 @@ AGENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SINGLE_TURN = os.path.join(AGENTS, "math_single_turn.py")
 TOOL = os.path.join(AGENTS, "python_tool_multi_turn.py")
 EXECUTOR = os.path.join(AGENTS, "openrlhf_executor.py")
+OPENAI_CHAT = os.path.join(AGENTS, "openai_chat_math.py")
 PROMPT = "What is 6*7? Use Python when it helps; put your final answer within \\boxed{}.\n"
 CODE = "Let me compute it.\n```python\nprint(6 * 7)\n```"
 
@@ -233,3 +234,51 @@ async def step(state, action, label):
         assert ep.response_ids[a1:b0] == observation
         assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
         assert all(lp == 0.0 for lp in ep.logprobs[a1:b0]) and all(lp < 0 for lp in ep.logprobs[b0:b1])
+
+
+# As OpenRLHF's OpenAI-server executor does (its uvicorn app runs in a thread with an event loop of its own, and its
+# handler awaits llm_engine.generate there): the engine is called from another thread's loop.
+THREADED_EXECUTOR = """
+import asyncio
+
+from openrlhf.utils.agent import AgentExecutorBase
+
+
+class AgentExecutor(AgentExecutorBase):
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        ids = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        output = await asyncio.to_thread(asyncio.run, llm_engine.generate(ids, sampling_params))
+        tokens = list(output.outputs[0].token_ids)
+        return {"prompt": prompt, "label": label, "observation_tokens": ids + tokens,
+                "action_ranges": [(len(ids), len(ids) + len(tokens))], "rollout_log_probs": None,
+                "reward": 1.0, "scores": 1.0, "extra_logs": {}}
+"""
+
+def test_an_executor_calling_the_engine_from_a_thread_of_its_own_runs_on_the_engines(engines, stack_cfg, prompts,
+                                                                                       tmp_path):
+    path = tmp_path / "threaded_executor.py"
+    path.write_text(THREADED_EXECUTOR)
+    for ep in [e for g in _rollout(engines, stack_cfg, prompts, str(path)) for e in g]:
+        assert ep.turns == 1 and ep.score == 1.0 and all(lp <= 0 for lp in ep.logprobs)
+        assert any(lp < 0 for lp in ep.logprobs)  # vLLM's record of the turn, not zeros
+
+
+def test_the_openai_api_example_agent_asks_again_and_trains_on_both_replies_as_sampled(engines, stack_cfg, prompts,
+                                                                                       tokenizer):
+    from openrlhf_async.models.tiny import ASSISTANT, USER
+
+    labels = {tuple(p["prompt_ids"]): p["label"] for p in prompts}
+    # The tiny model writes no \boxed{}: every episode is asked again, in a user turn the engine's template writes.
+    reminder = tokenizer.encode(USER + "Put your final answer within \\boxed{}." + ASSISTANT, add_special_tokens=False)
+    for ep in [e for g in _rollout(engines, stack_cfg, prompts, OPENAI_CHAT) for e in g]:
+        assert ep.turns == 2 and ep.extra_info["asked_again"] == 1.0 and ep.segments == []
+        assert tuple(ep.prompt_ids) in labels  # the prompt the agent sent, templated by the engine, is the run's
+        (a0, a1), (b0, b1) = action_ranges(ep.action_mask)
+        between = ep.response_ids[a1:b0]
+        if ep.response_ids[a1 - 1] != tokenizer.eos_token_id:  # a reply cut by its budget: the template closes it
+            assert between[0] == tokenizer.eos_token_id
+            between = between[1:]
+        assert between == reminder and all(lp == 0.0 for lp in ep.logprobs[a1:b0])
+        assert all(lp < 0 for lp in ep.logprobs[b0:b1]) or b1 == b0
+        answer = tokenizer.decode(ep.response_ids[b0:b1], skip_special_tokens=True)
+        assert ep.score == math_score(answer, labels[tuple(ep.prompt_ids)])["score"]

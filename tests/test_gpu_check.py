@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
+@pytest.mark.long  # the trainer's step it runs is the one every training test runs; its GPU run is `make gpu-check`
 def test_the_cpu_variant_prints_one_json_line_with_matching_gradients_peak_memory_and_step_time():
     proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--shape", "tiny", "--sleep"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)

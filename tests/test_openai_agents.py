@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import preset_config, unfinished, user_file
+from conftest import free_port, preset_config, unfinished, user_file
 from openrlhf_async.models.tiny import ASSISTANT, EOS, USER
 from openrlhf_async.rollout.endpoint import Call, episode_from_calls
 from openrlhf_async.rollout.episode import Episode
@@ -106,7 +106,8 @@ def tool_model(tiny_model_path, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def openai_cfg():
-    return preset_config("--vllm.num_engines", "1", "--agent.tool_call_parser", "hermes")
+    return preset_config("--vllm.num_engines", "1", "--agent.tool_call_parser", "hermes",
+                         "--agent.openai_port", str(free_port()))
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +203,19 @@ def test_aborting_a_group_aborts_its_agents_requests(tool_engine, tool_model, tm
     episodes = ray.get(call, timeout=60)
     assert [ep.aborted for ep in episodes] == [True, True] and all(ep.error is None for ep in episodes)
     assert unfinished(tool_engine) == {"vllm": 0, "actor": 0}
+
+
+def test_the_endpoint_listens_on_its_port_for_agents_elsewhere(tool_engine):
+    import httpx
+    import ray
+
+    url = ray.get(tool_engine.openai_base_url.remote())
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    assert [m["id"] for m in httpx.get(url + "/models").json()["data"]] == ["policy"]
+    # An episode's address is open only while the episode runs.
+    closed = httpx.post(url.replace("/v1", "/episodes/g9-0/v1") + "/chat/completions",
+                        json={"model": "policy", "messages": [{"role": "user", "content": "1+1="}]})
+    assert closed.status_code == 404 and "no open episode 'g9-0'" in closed.json()["error"]["message"]
 
 
 def test_episode_records_are_one_sequence_while_prompts_extend_and_segments_where_they_do_not():

@@ -5,7 +5,8 @@ written against the OpenAI API (`async def run(client, model, prompt, label, **i
 
 The OpenAI-API contract: `client` is an `openai.AsyncOpenAI` bound to this episode on the engine's OpenAI-compatible
 endpoint (rollout/endpoint.py), `model` the name to pass it, `prompt` the dataset's prompt (text or chat messages),
-`label` its label; `info` holds `base_url`, the episode's network address when the endpoint listens
+`label` its label; `info` holds `budget`, the response tokens the episode may use in all (its calls' completions
+and the tokens between them), and `base_url`, the episode's network address when the endpoint listens
 (--agent.openai_port), else None. It makes any number of chat or completion calls, with or without tools, and
 returns the episode's reward: a number, or a dict with "reward" and optionally "scores" (what the filter reads) and
 "extra_logs". Its training sample is the tokens vLLM sampled for those calls, whatever text the agent kept.

@@ -31,6 +31,11 @@ def prepare(cfg):
     else:
         run_folder.hold(cfg)
     resume = find_resume(cfg)  # also refuses a fresh run over an earlier run's records
+    check_parsers(cfg)
+    if cfg.data.reasoning_gym and not cfg.agent.func_path and not cfg.reward.remote_url:
+        from openrlhf_async.reward import reasoning_gym_reward
+
+        cfg.reward.remote_url = reasoning_gym_reward.__file__  # the tasks' own scorers judge the answers
     try:  # import and check the user's files here, so a broken one fails before any engine starts
         if cfg.agent.func_path:
             check_user_file(cfg.agent.func_path, "--train.agent_func_path", CONTRACT, AgentFileError,
@@ -38,7 +43,14 @@ def prepare(cfg):
         if (cfg.reward.remote_url or "").endswith(".py"):
             check_user_file(cfg.reward.remote_url, "--reward.remote_url", FUNC_CONTRACT, RewardFileError,
                             "openrlhf_async_reward")
-        load_agent(cfg.agent.func_path, cfg.agent.workers).close()
+        if cfg.agent.verifiers_env:
+            if cfg.agent.func_path:
+                raise AgentFileError("--agent.verifiers_env and --train.agent_func_path both give the agent; pass one")
+            from openrlhf_async.agent.verifiers_env import load_env
+
+            load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)
+        else:
+            load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
     except (AgentFileError, RewardFileError) as e:
         raise ConfigError(str(e)) from None
@@ -82,6 +94,22 @@ def prepare(cfg):
     return model_path, train_rows, eval_rows, resume
 
 
+def check_parsers(cfg) -> None:
+    """--agent.tool_call_parser and --agent.reasoning_parser name parsers vLLM has (ConfigError otherwise): the
+    engines build their OpenAI endpoint only when an agent first uses it."""
+    from openrlhf_async.config import ConfigError
+
+    for flag, name, module, manager in (
+            ("--agent.tool_call_parser", cfg.agent.tool_call_parser, "vllm.tool_parsers", "ToolParserManager"),
+            ("--agent.reasoning_parser", cfg.agent.reasoning_parser, "vllm.reasoning", "ReasoningParserManager")):
+        if name:
+            import importlib
+
+            known = getattr(importlib.import_module(module), manager).list_registered()
+            if name not in known:
+                raise ConfigError(f"{flag} {name}: vLLM has no such parser; choose from {', '.join(sorted(known))}")
+
+
 def load_datasets(cfg, builtin_dir: str):
     """(train rows, eval rows); without --data.prompt_dataset, the built-in task written into builtin_dir, read with
     its own field names whatever --data.input_key / --data.label_key say."""
@@ -89,7 +117,30 @@ def load_datasets(cfg, builtin_dir: str):
 
     check_input_template(cfg.data.input_template)
     train_keys = eval_keys = cfg.data.input_key, cfg.data.label_key
-    if not cfg.data.prompt_dataset:
+    if cfg.data.reasoning_gym:
+        from openrlhf_async.config import ConfigError
+        from openrlhf_async.data.reasoning_gym_tasks import write_tasks
+
+        if cfg.data.prompt_dataset:
+            raise ConfigError("--data.reasoning_gym and --data.prompt_dataset both give the prompts; pass one")
+        try:
+            cfg.data.prompt_dataset, eval_path = write_tasks(cfg.data.reasoning_gym, cfg.data.reasoning_gym_size,
+                                                             cfg.train.seed, builtin_dir, cfg.data.reasoning_gym_args)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        train_keys = "prompt", "label"
+        if not cfg.eval.dataset:
+            cfg.eval.dataset, eval_keys = eval_path, train_keys
+    elif cfg.agent.verifiers_env and not cfg.data.prompt_dataset:  # the environment's tasks are the prompts
+        from openrlhf_async.agent.verifiers_env import load_env, prompt_rows
+
+        os.makedirs(builtin_dir, exist_ok=True)
+        cfg.data.prompt_dataset = os.path.join(builtin_dir, "verifiers_tasks.jsonl")
+        with open(cfg.data.prompt_dataset, "w") as f:
+            f.writelines(json.dumps(row) + "\n"
+                         for row in prompt_rows(load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)))
+        train_keys = "prompt", "label"
+    elif not cfg.data.prompt_dataset:
         from openrlhf_async.data.synthetic import write_builtin_task
 
         cfg.data.prompt_dataset, eval_path = write_builtin_task(cfg.data.builtin_task, builtin_dir)

@@ -284,6 +284,9 @@ class RolloutBatch:
             "rollout/starved_batches": stats["starved"],
             "rollout/groups_flat_filled": stats["flat_filled"],  # with --algo.dynamic_filtering_on_starved fill
             "rollout/groups_missing": self.target - len(chosen),  # a starved batch trained smaller (partial)
+            # OpenAI-API agents' episodes whose turns were not one token sequence (a chat template that rewrites
+            # history): each trains as several samples (rollout/endpoint.py)
+            "rollout/episodes_segmented": sum(1 for r in chosen for ep in r.episodes if ep.segments),
         }
         for family, message in self.first_error.items():
             metrics[f"rollout/{family}_first_error"] = message

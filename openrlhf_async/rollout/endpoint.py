@@ -25,6 +25,9 @@ _EPISODE = contextvars.ContextVar("openrlhf_async_episode", default=None)
 _EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.\-]+)(/.*)$")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MODEL_NAME = "policy"  # the name agents pass as `model` (the served model's name)
+# A request body field naming its episode, for agents that cannot choose their URL per episode (verifiers' proxy):
+# taken out of the body before vLLM reads it.
+ENDPOINT_EPISODE_FIELD = "openrlhf_episode"
 
 # What a request may not change, as {field: (the run's value of it, what a different one would break)}: the trainer
 # scores every token with the run's temperature and no other filter, so a token sampled otherwise would be trained
@@ -164,21 +167,32 @@ class _Routes:
         self.app, self.episodes = app, episodes
 
     async def __call__(self, scope, receive, send):
-        episode = None
+        episode = key = None
         if scope["type"] == "http":
             match = _EPISODE_PATH.match(scope["path"])
             if match:
-                episode = self.episodes.get(match.group(1))
-                if episode is None:
-                    return await _error(send, 404, f"no open episode {match.group(1)!r} on this engine")
+                key = match.group(1)
                 scope = {**scope, "path": match.group(2), "raw_path": match.group(2).encode()}
-                if scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-                    body = await _read_body(receive)
+            if scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+                body = await _read_body(receive)
+                try:
+                    request = json.loads(body or b"{}")
+                except ValueError:
+                    request = None  # vLLM answers it
+                if isinstance(request, dict) and ENDPOINT_EPISODE_FIELD in request:
+                    key = key or str(request.pop(ENDPOINT_EPISODE_FIELD))
+                    body = json.dumps(request).encode()
+                if key is not None:
+                    episode = self.episodes.get(key)
+                    if episode is None:
+                        return await _error(send, 404, f"no open episode {key!r} on this engine")
                     try:
-                        episode.check(json.loads(body or b"{}"))
-                    except (EpisodeRequestError, ValueError) as e:
+                        episode.check(request if isinstance(request, dict) else {})
+                    except EpisodeRequestError as e:
                         return await _error(send, 400, str(e))
-                    receive = _replay(body, receive)
+                receive = _replay(body, receive)
+            elif key is not None and key not in self.episodes:
+                return await _error(send, 404, f"no open episode {key!r} on this engine")
         token = _EPISODE.set(episode)
         try:
             await self.app(scope, receive, send)
@@ -240,8 +254,6 @@ class Endpoint:
     async def start(cls, actor, model_path: str, agent) -> "Endpoint":
         """vLLM's app over the actor's engine; listening on --agent.openai_host:--agent.openai_port (+ the engine's
         index) when a port is given."""
-        import asyncio
-
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -255,17 +267,28 @@ class Endpoint:
         episodes = {}
         endpoint = cls(actor, _Routes(app, episodes), episodes)
         if agent.openai_port:
-            import uvicorn
-
-            port = agent.openai_port + actor.engine_index
-            config = uvicorn.Config(endpoint.app, host=agent.openai_host, port=port, log_level="warning",
-                                    access_log=False, lifespan="off")
-            endpoint.server = uvicorn.Server(config)
-            asyncio.ensure_future(endpoint.server.serve())
-            while not endpoint.server.started:
-                await asyncio.sleep(0.05)
-            endpoint.url = f"http://{agent.openai_host}:{port}"
+            await endpoint.listen(agent.openai_host, agent.openai_port + actor.engine_index)
         return endpoint
+
+    async def listen(self, host: str, port: int = 0) -> None:
+        """Serve the app on host:port too (uvicorn, on the engine's event loop); port 0: one the system picks."""
+        import asyncio
+
+        import uvicorn
+
+        if self.server is not None:
+            return
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
+                                lifespan="off")
+        self.server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(self.server.serve())
+        while not self.server.started:
+            if serving.done():  # e.g. the port is taken: uvicorn logs why and exits
+                raise RuntimeError(f"the OpenAI endpoint could not listen on {host}:{port} (--agent.openai_host, "
+                                   "--agent.openai_port)")
+            await asyncio.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{port}"
 
     def open(self, key: str, group_id: str, budget: int, sampling: dict) -> EpisodeCalls:
         episode = self.episodes[key] = EpisodeCalls(group_id, budget, sampling)
@@ -313,8 +336,9 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     reward = score = 0.0
     extra, error = {}, None
     try:
-        result = await asyncio.wait_for(agent.run(client, MODEL_NAME, prompt, label,
-                                                  base_url=endpoint.base_url(request_id)), timeout)
+        result = await asyncio.wait_for(agent.run(client, MODEL_NAME, prompt, label, budget=budget,
+                                                  episode=request_id, base_url=endpoint.base_url(request_id)),
+                                        timeout)
         reward, score = check_reward(result.reward, "the agent's reward"), check_reward(result.score, "its score")
         extra = result.extra_info
     except (asyncio.TimeoutError, TimeoutError):

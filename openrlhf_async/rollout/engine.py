@@ -86,13 +86,16 @@ class LLMRayActorAsync:
     def ready(self) -> bool:
         return True
 
-    async def endpoint(self):
-        """This engine's OpenAI-compatible endpoint (rollout/endpoint.py), started on first use."""
+    async def endpoint(self, listen: bool = False):
+        """This engine's OpenAI-compatible endpoint (rollout/endpoint.py), started on first use; listen: on the
+        network too (on --agent.openai_host, a port the system picks without --agent.openai_port)."""
         from openrlhf_async.rollout.endpoint import Endpoint
 
         async with self._endpoint_lock:
             if self._endpoint is None:
                 self._endpoint = await Endpoint.start(self, self.model_path, self.agent_cfg)
+            if listen:
+                await self._endpoint.listen(self.agent_cfg.openai_host)
         return self._endpoint
 
     async def openai_base_url(self) -> str:

@@ -24,6 +24,7 @@ class GroupRunner:
         self.chat_turn = ChatTurn.of(tokenizer, agent.observation_turn)
 
         self.agent_path, self.agent_workers = agent.func_path, agent.workers  # "": the built-in math agent
+        self.verifiers = (agent.verifiers_env, agent.verifiers_args) if agent.verifiers_env else None
         self.agent_max_steps, self.agent_step_timeout = agent.max_steps, agent.step_timeout
         self.agents = {}  # path -> agent
         self.agent(self.agent_path)
@@ -40,7 +41,12 @@ class GroupRunner:
 
         path = self.agent_path if path is None else path
         if path not in self.agents:
-            self.agents[path] = load_agent(path, self.agent_workers)
+            if self.verifiers and path == self.agent_path:  # the run's agent is a verifiers environment
+                from openrlhf_async.agent.verifiers_env import VerifiersAgent
+
+                self.agents[path] = VerifiersAgent(*self.verifiers)
+            else:
+                self.agents[path] = load_agent(path, self.agent_workers)
         return self.agents[path]
 
     def reward_source(self, settings: dict = None):
@@ -62,7 +68,7 @@ class GroupRunner:
         budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * n
         prompt_text = tokenizer.decode(prompt_ids) if reward is not None else None
 
-        endpoint = await engine.endpoint() if agent.kind == "openai" else None
+        endpoint = await engine.endpoint(getattr(agent, "needs_network", False)) if agent.kind == "openai" else None
 
         def episode(i: int):
             if agent.kind == "openai":

@@ -56,7 +56,8 @@ class PromptSetSolved(Exception):
 
 _COUNTERS = ("rollout/groups_", "rollout/tokens_", "rollout/agent_errors", "rollout/agent_timeouts",
              "rollout/reward_errors", "rollout/reward_timeouts", "rollout/stale_groups_dropped",
-             "rollout/engine_failures", "rollout/prompts_skipped", "rollout/starved_batches")
+             "rollout/engine_failures", "rollout/prompts_skipped", "rollout/starved_batches",
+             "rollout/episodes_segmented")
 
 
 def _merge_rollout_metrics(into: dict, new: dict) -> None:

@@ -1,0 +1,60 @@
+"""reasoning-gym's generators as a prompt source (--data.reasoning_gym) and their scorers as the reward
+(reward/reasoning_gym_reward.py), made locally from a seed."""
+
+import json
+
+import pytest
+
+from openrlhf_async.data.reasoning_gym_tasks import task_names, write_tasks
+from openrlhf_async.reward.reasoning_gym_reward import extract_answer, reward_func
+
+
+def test_tasks_are_written_with_held_out_questions_none_of_which_is_trained_on(tmp_path):
+    train_path, eval_path = write_tasks("chain_sum,basic_arithmetic", 50, 3, str(tmp_path),
+                                        '{"chain_sum": {"min_terms": 2, "max_terms": 2}}')
+    train = [json.loads(line) for line in open(train_path)]
+    held_out = [json.loads(line) for line in open(eval_path)]
+    assert len(train) == 100 and 150 < len(held_out) <= 200  # 100 per task from another seed, less repeats
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    sources = [json.loads(r["label"])["metadata"]["source_dataset"] for r in train]
+    assert sources.count("chain_sum") == sources.count("basic_arithmetic") == 50
+    chain = [json.loads(r["label"]) for r in train if "chain_sum" in r["label"]]
+    assert all(entry["metadata"]["num_terms"] == 2 for entry in chain)  # the generator's settings were applied
+    assert all(r["prompt"].endswith("Put your final answer within \\boxed{}.") for r in train)
+    # The same seed makes the same questions.
+    again, _ = write_tasks("chain_sum,basic_arithmetic", 50, 3, str(tmp_path / "again"),
+                           '{"chain_sum": {"min_terms": 2, "max_terms": 2}}')
+    assert open(again).read() == open(train_path).read()
+
+
+@pytest.mark.parametrize("spec, args, message", [
+    ("chain_summ", "{}", "--data.reasoning_gym 'chain_summ': unknown task(s) chain_summ; reasoning-gym has ab, acre"),
+    ("chain_sum", "{\"gcd\": {}}", "--data.reasoning_gym_args names gcd, not among --data.reasoning_gym's tasks"),
+    ("chain_sum", "{\"chain_sum\": {\"no_such\": 1}}", "--data.reasoning_gym_args for chain_sum: reasoning-gym "
+                                                         "refused them"),
+    ("chain_sum", "{chain", "--data.reasoning_gym_args is not JSON"),
+])
+def test_bad_task_names_and_settings_are_refused_in_one_line(tmp_path, spec, args, message):
+    with pytest.raises(ValueError) as error:
+        write_tasks(spec, 5, 0, str(tmp_path), args)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_the_tasks_own_scorer_judges_the_last_boxed_answer():
+    (name,) = task_names("basic_arithmetic")
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset(name, size=1, seed=7)[0]
+    label, prompt = json.dumps(entry), entry["question"]
+    answers = [f"Let me see: \\boxed{{{int(entry['answer']) + 1}}}, no, \\boxed{{{entry['answer']}}}",
+               f"<answer>{entry['answer']}</answer>", f"I think\n{entry['answer']}", "\\boxed{1e9}"]
+    out = reward_func([prompt + a for a in answers], [prompt] * 4, [label] * 4)
+    assert out["rewards"] == [1.0, 1.0, 1.0, 0.0] and out["extra_logs"]["accuracy"] == [1.0, 1.0, 1.0, 0.0]
+    assert extract_answer("\\boxed{\\frac{1}{2}} and more") == "\\frac{1}{2}"
+
+
+def test_a_dry_run_with_reasoning_gym_tasks_passes_and_an_unknown_task_fails(tmp_path):
+    from test_bad_input import run_cli
+
+    assert run_cli(tmp_path, "--data.reasoning_gym", "chain_sum", "--data.reasoning_gym_size", "30", "--dry_run") == 0
+    assert run_cli(tmp_path, "--data.reasoning_gym", "no_task", "--dry_run") != 0

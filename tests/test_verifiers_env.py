@@ -1,0 +1,129 @@
+"""`verifiers` environments (0.4, verifiers.v1) as the agent: their tasks as the prompts, their episodes run through
+the engines' OpenAI endpoint by verifiers' own machinery (its proxy, its env's turns, the in-process harness), their
+tasks' rewards as the episodes' rewards, and the tokens vLLM sampled as the training samples. The environments are
+written here, as a user would (no environment package is installed)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import user_file
+from openrlhf_async.agent import AgentFileError
+from openrlhf_async.agent.verifiers_env import load_env, prompt_rows
+from test_reward_model import _trained_steps
+
+SINGLE_TURN = """
+import verifiers.v1 as vf
+
+__all__ = ["SumTaskset"]
+
+
+class SumData(vf.TaskData):
+    answer: str
+
+
+class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        return float(trace.last_reply.strip() == self.data.answer)
+
+    @vf.metric
+    async def reply_chars(self, trace: vf.Trace) -> float:
+        return float(len(trace.last_reply))
+
+
+class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
+    def load(self):
+        for a in range(10, 18):
+            yield SumTask(SumData(prompt=f"{a}+3=", answer=str(a + 3), system_prompt=None), self.config.task)
+"""
+
+# Two turns each: the env asks a follow-up question in a user turn, and the task scores the second answer.
+MULTI_TURN = """
+import verifiers.v1 as vf
+
+__all__ = ["FollowUpTaskset", "FollowUpEnv"]
+
+
+class FollowUpData(vf.TaskData):
+    answer: str
+
+
+class FollowUpTask(vf.Task[FollowUpData, vf.State, vf.TaskConfig]):
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        return float(trace.last_reply.strip() == self.data.answer)
+
+
+class FollowUpTaskset(vf.Taskset[FollowUpTask, vf.TasksetConfig]):
+    def load(self):
+        for a in range(20, 28):
+            yield FollowUpTask(FollowUpData(prompt=f"{a}+5=", answer=str(a + 6)), self.config.task)
+
+
+class FollowUpEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(runtime={"type": "subprocess"}, max_turns=3)
+
+
+class FollowUpEnv(vf.Env[FollowUpEnvConfig]):
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as chat:
+            turn = await chat.turn()
+            if not turn.terminated:
+                await chat.turn(task.data.prompt.replace("+5=", "+6="))
+"""
+
+
+def test_an_environments_tasks_are_the_prompts_with_their_index_as_the_label(tmp_path):
+    rows = prompt_rows(load_env(user_file(tmp_path, "vf_sums.py", SINGLE_TURN)))
+    assert rows[0] == {"prompt": "10+3=", "label": "0"} and len(rows) == 8 and rows[-1]["label"] == "7"
+
+
+@pytest.mark.parametrize("body, args, message", [
+    ("import no_such_module\n", "{}", "importing it failed (ModuleNotFoundError: No module named 'no_such_module')"),
+    ("x = 1\n", "{}", "verifiers could not import it"),
+    (SINGLE_TURN, "[1]", "--agent.verifiers_args: expected a JSON object"),
+])
+def test_a_broken_environment_is_refused_in_one_line(tmp_path, body, args, message):
+    with pytest.raises(AgentFileError, match=".*") as error:
+        load_env(user_file(tmp_path, f"vf_broken_{abs(hash(body + args))}.py", body), args)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def _train(tmp_path, env_file, *flags):
+    from openrlhf_async.config import preset_path
+
+    run = subprocess.run(
+        [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
+         "--agent.verifiers_env", env_file, "--runs_dir", str(tmp_path / "runs"), "--run_name", "vf",
+         "--no-progress", "--train.max_steps", "2", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
+         "--train.batch_size", "16", "--no-algo.dynamic_filtering_enable", *flags],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "vf"
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return _trained_steps(run_dir), [s for s in samples if s["kind"] == "train"]
+
+
+def test_a_multi_turn_verifiers_environment_trains(tmp_path):
+    trained, samples = _train(tmp_path, user_file(tmp_path, "vf_follow_up.py", MULTI_TURN))
+    assert [m["engine_weight_version"] for m in trained] == [1, 2]
+    for m in trained:
+        assert m["rollout/agent_errors"] == 0 and m["rollout/extra/turns"] == 2.0 and m["grad_norm"] > 0
+        assert m["rollout/episodes_segmented"] == 0  # the template appends turns: one sequence per episode
+    for sample in samples:
+        # The env's follow-up is a user turn between the model's two answers, masked (the "observation").
+        first, second = sample["turns"]
+        assert first["observation"].endswith("+6=<|assistant|>") and sample["error"] is None
+        assert sample["reward"] == float(second["response"].replace("<|endoftext|>", "").strip()
+                                         == str(int(sample["prompt"].split("+")[0][-2:]) + 6))
+
+
+@pytest.mark.long
+def test_a_single_turn_verifiers_environment_trains(tmp_path):
+    trained, samples = _train(tmp_path, user_file(tmp_path, "vf_sums.py", SINGLE_TURN))
+    assert [m["engine_weight_version"] for m in trained] == [1, 2]
+    assert all(m["rollout/agent_errors"] == 0 and m["rollout/extra/reply_chars"] > 0 for m in trained)
+    assert all(len(s["turns"]) == 1 for s in samples)
