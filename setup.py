@@ -19,6 +19,7 @@ COMMON = [
     "aiohttp>=3.14.4",  # the reward service: its keepalive_timeout closes connections that never send whole headers
     "openai>=2.54,<3",  # the client of agents written against the OpenAI API (rollout/endpoint.py); vLLM's too
     "reasoning-gym==0.1.25",  # task generators and their scorers (--data.reasoning_gym)
+    "verifiers==0.4.0",  # environments as agents (--agent.verifiers_env)
     "wandb==0.31.0",
     "tensorboard",
     "pyarrow",

@@ -91,6 +91,14 @@ async def run(client, model, prompt, label, **info):
         await client.completions.create(model=model, prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True})
 '''
 
+# Fresh conversations, each a segment of its own, all drawing on the one episode budget.
+BUDGET_AGENT = r'''
+async def run(client, model, prompt, label, **info):
+    for _ in range(5):
+        await client.completions.create(model=model, prompt=prompt, max_tokens=50, extra_body={"ignore_eos": True})
+    return 1.0
+'''
+
 
 @pytest.fixture(scope="module")
 def tool_model(tiny_model_path, tmp_path_factory) -> str:
@@ -203,6 +211,13 @@ def test_aborting_a_group_aborts_its_agents_requests(tool_engine, tool_model, tm
     episodes = ray.get(call, timeout=60)
     assert [ep.aborted for ep in episodes] == [True, True] and all(ep.error is None for ep in episodes)
     assert unfinished(tool_engine) == {"vllm": 0, "actor": 0}
+
+
+def test_an_agent_that_spends_its_budget_ends_truncated_within_it(tool_engine, tool_model, tmp_path):
+    (ep,) = _group(tool_engine, tool_model, user_file(tmp_path, "budget_agent.py", BUDGET_AGENT), n=1, budget=60)
+    assert ep.error is None and ep.finish_reason == "length" and ep.raw_reward == 0.0
+    parts = training_samples(ep, 0.0)
+    assert [len(p["response_ids"]) for p in parts] == [50, 10]  # the third call is refused: nothing was left
 
 
 def test_the_endpoint_listens_on_its_port_for_agents_elsewhere(tool_engine):

@@ -48,6 +48,9 @@ CONTRACT = ("a module-level `step(state, action, label)` returning (reward, next
             '(or OpenRLHF 0.8\'s dict {"rewards", "next_observation", "done", ...}), an OpenRLHF `AgentExecutor` '
             "class, or `async def run(client, model, prompt, label, **info)` returning the reward (OpenAI API)")
 STEP_DICT_KEYS = ("rewards", "next_observation", "done")
+# A request body field naming its episode on the engine's OpenAI endpoint, for agents that cannot choose their URL per
+# episode (verifiers' proxy, agent/verifiers_env.py): the endpoint takes it out before vLLM reads the request.
+EPISODE_FIELD = "openrlhf_episode"
 
 
 def _stop_strings(value) -> bool:

@@ -2,7 +2,7 @@
 environment is a taskset (its tasks, scored by their own @vf.reward functions), a harness (the program that talks to
 the model) and an env (how a task becomes an episode). Its episodes run against the engine's OpenAI endpoint, which
 listens on loopback for them (verifiers forwards the harness's calls through a proxy of its own), each request
-carrying its episode's key in the body (ENDPOINT_EPISODE_FIELD), so that its tokens are recorded for training as any
+carrying its episode's key in the body (EPISODE_FIELD), so that its tokens are recorded for training as any
 OpenAI-API agent's. Its tasks are the prompt dataset unless --data.prompt_dataset is given (a row's label: the
 task's index).
 
@@ -16,8 +16,7 @@ import copy
 import json
 import os
 
-from openrlhf_async.agent import AgentFileError, StepResult
-from openrlhf_async.rollout.endpoint import ENDPOINT_EPISODE_FIELD
+from openrlhf_async.agent import EPISODE_FIELD, AgentFileError, StepResult
 
 KEY_VAR = "OPENRLHF_ASYNC_ENDPOINT_KEY"  # verifiers reads the endpoint's key from an environment variable
 # The in-process harness's id: verifiers takes a plugin id for a top-level module name.
@@ -132,7 +131,7 @@ class VerifiersAgent:
         os.environ.setdefault(KEY_VAR, "EMPTY")
         engine_url = base_url.split("/episodes/")[0] + "/v1"
         ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=engine_url, api_key_var=KEY_VAR),
-                              sampling=vf.Sampling(**{ENDPOINT_EPISODE_FIELD: episode}))
+                              sampling=vf.Sampling(**{EPISODE_FIELD: episode}))
         result = await self.env.run_episode(self.tasks[int(label)], ctx)
         trace = result.traces[-1]
         if not trace.ok and trace.errors:

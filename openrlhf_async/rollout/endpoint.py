@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from openrlhf_async.agent import EPISODE_FIELD  # the body field naming a request's episode
 from openrlhf_async.rollout.episode import Episode
 
 # The open episode a request belongs to, set by the routing middleware for the request's task.
@@ -25,13 +26,10 @@ _EPISODE = contextvars.ContextVar("openrlhf_async_episode", default=None)
 _EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.\-]+)(/.*)$")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MODEL_NAME = "policy"  # the name agents pass as `model` (the served model's name)
-# A request body field naming its episode, for agents that cannot choose their URL per episode (verifiers' proxy):
-# taken out of the body before vLLM reads it.
-ENDPOINT_EPISODE_FIELD = "openrlhf_episode"
 
-# What a request may not change, as {field: (the run's value of it, what a different one would break)}: the trainer
-# scores every token with the run's temperature and no other filter, so a token sampled otherwise would be trained
-# on the log-probs of another distribution. A field left out of the request takes the run's value.
+# What a request may not change beside temperature and top_p, as {field: its allowed values}: the trainer scores every
+# token with the run's temperature and top_p and no other filter, so a token sampled otherwise would be trained on the
+# log-probs of another distribution. A field left out of the request takes the run's value.
 NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
            "frequency_penalty": (0.0,), "n": (1,)}
 
@@ -60,6 +58,8 @@ class EpisodeCalls:
     aborted: bool = False
     in_flight: set = field(default_factory=set)  # its request ids vLLM may hold
     closed: bool = False
+    spent: bool = False  # a request was refused because the budget was spent
+    used: int = 0  # response tokens of the calls so far: what the model wrote, and the tokens between its turns
 
     def check(self, body: dict) -> None:
         """Refuse a request body that sets what the run fixes (see NEUTRAL)."""
@@ -74,11 +74,22 @@ class EpisodeCalls:
                     f"{key}={value!r} is refused in a training episode: the run samples and trains with "
                     f"{key}={allowed[0]!r} (--rollout flags); leave it out or pass that value")
 
-    def response_tokens(self, prompt_len: int) -> int:
-        """Response tokens used so far by an episode whose next prompt has prompt_len tokens."""
+    def between(self, prompt_ids: list) -> int:
+        """The tokens a call with this prompt adds between the last call's completion and its own (0 when it starts
+        a new sequence)."""
         if not self.calls:
             return 0
-        return max(0, prompt_len - len(self.calls[0].prompt_ids))
+        last = self.calls[-1]
+        sequence = last.prompt_ids + last.token_ids
+        return len(prompt_ids) - len(sequence) if prompt_ids[: len(sequence)] == sequence else 0
+
+    def left(self, prompt_ids: list) -> int:
+        """Response tokens the budget leaves for a call with this prompt."""
+        return self.budget - self.used - self.between(prompt_ids)
+
+    def record(self, call: Call) -> None:
+        self.used += self.between(call.prompt_ids) + len(call.token_ids)
+        self.calls.append(call)
 
 
 def episode_from_calls(request_id: str, calls: list) -> Episode:
@@ -135,11 +146,11 @@ class _Recorder:
             sampling_params.top_k, sampling_params.min_p = 0, 0.0
             if sampling_params.logprobs is None:
                 sampling_params.logprobs = 0  # the rollout log-prob of each sampled token, for the trainer
-            prompt_len = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else 0
-            left = episode.budget - episode.response_tokens(prompt_len)
+            left = episode.left(list(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else [])
             if left <= 0:
+                episode.spent = True
                 raise EpisodeRequestError(f"the episode's token budget ({episode.budget} response tokens, "
-                                          "--rollout.generate_max_len) is spent")
+                                          "--rollout.max_new_tokens) is spent")
             sampling_params.max_tokens = min(sampling_params.max_tokens or left, left)
             group_id = episode.group_id
         if episode is not None:
@@ -153,8 +164,8 @@ class _Recorder:
             from openrlhf_async.rollout.episode import sampled_logprobs
 
             completion = final.outputs[0]
-            episode.calls.append(Call(list(final.prompt_token_ids), list(completion.token_ids),
-                                      sampled_logprobs(completion), versions, completion.finish_reason))
+            episode.record(Call(list(final.prompt_token_ids), list(completion.token_ids),
+                                sampled_logprobs(completion), versions, completion.finish_reason))
             episode.aborted = episode.aborted or completion.finish_reason == "abort"
         yield final
 
@@ -179,8 +190,8 @@ class _Routes:
                     request = json.loads(body or b"{}")
                 except ValueError:
                     request = None  # vLLM answers it
-                if isinstance(request, dict) and ENDPOINT_EPISODE_FIELD in request:
-                    key = key or str(request.pop(ENDPOINT_EPISODE_FIELD))
+                if isinstance(request, dict) and EPISODE_FIELD in request:
+                    key = key or str(request.pop(EPISODE_FIELD))
                     body = json.dumps(request).encode()
                 if key is not None:
                     episode = self.episodes.get(key)
@@ -354,7 +365,7 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     if calls.aborted or group_id in endpoint.actor.aborted_groups:
         ep.aborted, ep.finish_reason = True, "abort"
         return ep
-    if error and calls.calls and _spent(calls):
+    if error and calls.calls and (calls.spent or calls.used >= calls.budget):
         error, ep.finish_reason = None, "length"  # the agent failed because its budget ran out: truncated
     elif error is None and not calls.calls:
         error = ("error", "AgentRunError: the agent's run made no completion request")
@@ -365,7 +376,3 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     ep.score, ep.raw_reward, ep.extra_info = score, reward, extra
     return ep
 
-
-def _spent(calls: EpisodeCalls) -> bool:
-    last = calls.calls[-1]
-    return calls.response_tokens(len(last.prompt_ids)) + len(last.token_ids) >= calls.budget
