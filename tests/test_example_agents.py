@@ -236,8 +236,9 @@ async def step(state, action, label):
         assert all(lp == 0.0 for lp in ep.logprobs[a1:b0]) and all(lp < 0 for lp in ep.logprobs[b0:b1])
 
 
-# As OpenRLHF's OpenAI-server executor does (its uvicorn app runs in a thread with an event loop of its own, and its
-# handler awaits llm_engine.generate there): the engine is called from another thread's loop.
+# As OpenRLHF's OpenAI-server executor does: its uvicorn app, started by the first episode, runs in a thread with an
+# event loop of its own and keeps that episode's llm_engine, whose generate its handler awaits for every episode; the
+# executor gives the rollout log-probs itself.
 THREADED_EXECUTOR = """
 import asyncio
 
@@ -245,12 +246,18 @@ from openrlhf.utils.agent import AgentExecutorBase
 
 
 class AgentExecutor(AgentExecutorBase):
+    engine = None
+
     async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        if self.engine is None:
+            self.engine = llm_engine
         ids = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        output = await asyncio.to_thread(asyncio.run, llm_engine.generate(ids, sampling_params))
-        tokens = list(output.outputs[0].token_ids)
+        output = await asyncio.to_thread(asyncio.run, self.engine.generate(ids, sampling_params))
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [entry[token].logprob for token, entry in zip(tokens, completion.logprobs)]
         return {"prompt": prompt, "label": label, "observation_tokens": ids + tokens,
-                "action_ranges": [(len(ids), len(ids) + len(tokens))], "rollout_log_probs": None,
+                "action_ranges": [(len(ids), len(ids) + len(tokens))], "rollout_log_probs": [0.0] * len(ids) + logprobs,
                 "reward": 1.0, "scores": 1.0, "extra_logs": {}}
 """
 
@@ -259,8 +266,8 @@ def test_an_executor_calling_the_engine_from_a_thread_of_its_own_runs_on_the_eng
     path = tmp_path / "threaded_executor.py"
     path.write_text(THREADED_EXECUTOR)
     for ep in [e for g in _rollout(engines, stack_cfg, prompts, str(path)) for e in g]:
-        assert ep.turns == 1 and ep.score == 1.0 and all(lp <= 0 for lp in ep.logprobs)
-        assert any(lp < 0 for lp in ep.logprobs)  # vLLM's record of the turn, not zeros
+        assert ep.turns == 1 and ep.score == 1.0 and ep.action_mask == [1] * len(ep.response_ids)
+        assert all(lp <= 0 for lp in ep.logprobs) and any(lp < 0 for lp in ep.logprobs)  # vLLM's, not zeros
 
 
 def test_the_openai_api_example_agent_asks_again_and_trains_on_both_replies_as_sampled(engines, stack_cfg, prompts,

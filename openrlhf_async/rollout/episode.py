@@ -252,8 +252,11 @@ class EngineAdapter:
 
 
 async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, label, sampling_params,
-                               budget: int, request_id: str) -> Episode:
-    """An OpenRLHF 0.11 AgentExecutor episode, converted to this project's episode record."""
+                               budget: int, request_id: str, version: int = 0) -> Episode:
+    """An OpenRLHF 0.11 AgentExecutor episode, converted to this project's episode record. The model's tokens are
+    the executor's action ranges. Their weight versions are the engine's record of each call where the calls came
+    through this episode's engine adapter; an executor that keeps the adapter of its first episode for all (OpenRLHF's
+    OpenAI-server executor starts its server once) gives the others' tokens `version`, the engine's at the start."""
     ep = Episode(request_id, list(prompt_ids))
     engine = EngineAdapter(request, request_id)
     prompt = tokenizer.decode(prompt_ids)
@@ -273,9 +276,10 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
         ep.error, ep.turns = ("error", f"MissingLogprobs: {e}"), len(engine.calls)
         return ep
     mask = [0] * (len(tokens) - start)
-    versions = [0] * (len(tokens) - start)
-    for (a, b), call in zip(ranges, engine.calls):
+    versions = [version] * (len(tokens) - start)
+    for a, b in ranges:
         mask[a - start : b - start] = [1] * (b - a)
+    for (a, b), call in zip(ranges, engine.calls if len(engine.calls) == len(ranges) else ()):
         versions[a - start : b - start] = (call.versions + call.versions[-1:] * (b - a))[: b - a]
     for i in range(1, len(versions)):  # observation tokens take the version of the action before them
         if not mask[i]:
@@ -287,7 +291,7 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
     except RewardError as e:
         reward, score, error = 0.0, 0.0, ("reward_error", f"{type(e).__name__}: {e}")
     return Episode(request_id, tokens[:start], response_ids=tokens[start:], logprobs=logprobs,
-                   action_mask=mask, token_versions=versions, turns=len(engine.calls),
+                   action_mask=mask, token_versions=versions, turns=len(ranges),
                    finish_reason="length" if out.get("truncated") else (
-                       engine.calls[-1].finish_reason if engine.calls else None),
+                       engine.calls[-1].finish_reason if engine.calls else "stop"),
                    score=score, raw_reward=reward, error=error, extra_info=dict(out.get("extra_logs") or {}))

@@ -82,7 +82,8 @@ class GroupRunner:
 
                 ep = run_executor_episode(
                     lambda ids, params, rid: engine.request(ids, params, rid, group_id), agent, tokenizer,
-                    prompt_ids, label, SamplingParams(logprobs=0, **sampling), budgets[i], f"{group_id}-{i}")
+                    prompt_ids, label, SamplingParams(logprobs=0, **sampling), budgets[i], f"{group_id}-{i}",
+                    getattr(engine, "weight_version", 0))
             else:
                 ep = run_episode(lambda ids, smp, rid: engine.generate(ids, smp, rid, group_id), agent, tokenizer,
                                  prompt_ids, label, sampling, budgets[i], self.agent_max_steps,
