@@ -115,7 +115,7 @@ def test_help_lists_openrlhf_flag_names():
 
 AGENT_FILES = {
     "broken.py": ("def step(state, action, label) return 1", "does not import (SyntaxError"),
-    "empty.py": ("x = 1\n", "defines neither step nor AgentExecutor"),
+    "empty.py": ("x = 1\n", "defines none of step, AgentExecutor and run"),
     "two_args.py": ("def step(state, action):\n    return 0, state, True, {}\n", "step takes 2 arguments"),
     "not_openrlhf.py": ("class AgentExecutor:\n    pass\n", "AgentExecutor must subclass"),
 }
