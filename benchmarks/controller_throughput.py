@@ -40,7 +40,7 @@ class InstantEngine:
         return {"response_ids": [7, 7], "logprobs": [-0.5, -0.5], "token_versions": [0, 0], "finish_reason": "stop"}
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
-                             group_filter=GroupFilter()):
+                             group_filter=GroupFilter(), reward_source=None, prompt=None):
         return await run_group(lambda i: run_episode(self._generate, self.agent, self.tokenizer, prompt_ids, label,
                                                      sampling, budget, self.turns, 30.0, f"{group_id}-{i}"),
                                n, screen, group_filter)

@@ -23,7 +23,7 @@ class FakeEngine:
         self.started, self.aborted, self.running = [] if started is None else started, [], {}
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
-                             group_filter=GroupFilter()):
+                             group_filter=GroupFilter(), reward_source=None, prompt=None):
         self.started.append(prompt_ids[0])
         if label.get("raise"):
             raise RuntimeError("engine failed")

@@ -88,7 +88,7 @@ class ScriptedEngine:
         self.tokenizer, self.agent, self.reward = ByteTokenizer(), ScriptedAgent(), reward
 
     async def generate_group(self, prompt_ids, label, n, sampling, group_id, budget, agent_path=None, screen=0,
-                             group_filter=GroupFilter()):
+                             group_filter=GroupFilter(), reward_source=None, prompt=None):
         prompt_text = self.tokenizer.decode(prompt_ids)
 
         def episode(i):
