@@ -7,7 +7,7 @@ OpenAI-API agent's. Its tasks are the prompt dataset unless --data.prompt_datase
 task's index).
 
 An environment is an installed package's module id (as `verifiers.load_environment` takes it) or a .py file, imported
-under its stem. The harness runs where the engine runs: verifiers' built-in `bash`/`null` harnesses install their
+as the project imports users' files. The harness runs where the engine runs: verifiers' built-in `bash`/`null` harnesses install their
 programs with `uv` from the network, and its default runtime is a hosted sandbox, so the runtime here is the local
 subprocess one and the harness, for an environment that exports none, the in-process chat loop of
 agent/verifiers_harness.py, unless --agent.verifiers_args says otherwise."""
@@ -17,6 +17,7 @@ import json
 import os
 
 from openrlhf_async.agent import EPISODE_FIELD, AgentFileError, StepResult
+from openrlhf_async.utils.user_files import import_user_file
 
 KEY_VAR = "OPENRLHF_ASYNC_ENDPOINT_KEY"  # verifiers reads the endpoint's key from an environment variable
 # The in-process harness's id: verifiers takes a plugin id for a top-level module name.
@@ -24,26 +25,11 @@ HARNESS_ID = "openrlhf_async_verifiers_harness"
 
 
 def module_id(spec: str) -> str:
-    """The environment's module id; a .py file is imported first, under its stem."""
+    """The environment's module id; a .py file is imported first (utils/user_files.py), under a name of its own."""
     if not spec.endswith(".py"):
         return spec
-    import importlib.util
-    import sys
-
-    name = os.path.splitext(os.path.basename(spec))[0]
-    if name not in sys.modules:
-        if not os.path.isfile(spec):
-            raise AgentFileError(f"--agent.verifiers_env {spec}: no such file")
-        module_spec = importlib.util.spec_from_file_location(name, spec)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise AgentFileError(f"--agent.verifiers_env {spec}: importing it failed ({type(e).__name__}: {e})") \
-                from None
-    return name
+    return import_user_file(spec, "--agent.verifiers_env", "a verifiers environment exporting its Taskset in "
+                            "__all__", AgentFileError, "openrlhf_async_verifiers_env").__name__
 
 
 def _merged(base: dict, extra: dict) -> dict:

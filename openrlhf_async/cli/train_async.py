@@ -32,6 +32,7 @@ def prepare(cfg):
         run_folder.hold(cfg)
     resume = find_resume(cfg)  # also refuses a fresh run over an earlier run's records
     check_parsers(cfg)
+    verifiers_env = None  # --agent.verifiers_env's environment, loaded once: its tasks may be the prompts
     if cfg.data.reasoning_gym and not cfg.agent.func_path and not cfg.reward.remote_url:
         from openrlhf_async.reward import reasoning_gym_reward
 
@@ -48,7 +49,7 @@ def prepare(cfg):
                 raise AgentFileError("--agent.verifiers_env and --train.agent_func_path both give the agent; pass one")
             from openrlhf_async.agent.verifiers_env import load_env
 
-            load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)
+            verifiers_env = load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)
         else:
             load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
@@ -58,7 +59,7 @@ def prepare(cfg):
     # The built-in task is written where the run keeps it; a dry run's copy goes with its temporary folder.
     with (tempfile.TemporaryDirectory() if cfg.dry_run else
           contextlib.nullcontext(os.path.join(cfg.run_dir, "data"))) as builtin_dir:
-        train_rows, eval_rows = load_datasets(cfg, builtin_dir)
+        train_rows, eval_rows = load_datasets(cfg, builtin_dir, verifiers_env)
     resolve_steps(cfg, len(train_rows))
     check_resume_data(cfg, resume, len(train_rows))
     memory_plan.for_config(cfg)  # a run whose trainer ranks or engines cannot fit is refused here
@@ -110,9 +111,10 @@ def check_parsers(cfg) -> None:
                 raise ConfigError(f"{flag} {name}: vLLM has no such parser; choose from {', '.join(sorted(known))}")
 
 
-def load_datasets(cfg, builtin_dir: str):
-    """(train rows, eval rows); without --data.prompt_dataset, the built-in task written into builtin_dir, read with
-    its own field names whatever --data.input_key / --data.label_key say."""
+def load_datasets(cfg, builtin_dir: str, verifiers_env=None):
+    """(train rows, eval rows); without --data.prompt_dataset, the built-in task (or reasoning-gym's, or the verifiers
+    environment's tasks) written into builtin_dir, read with its own field names whatever --data.input_key /
+    --data.label_key say."""
     from openrlhf_async.data.prompts import check_input_template, load_prompts
 
     check_input_template(cfg.data.input_template)
@@ -131,14 +133,13 @@ def load_datasets(cfg, builtin_dir: str):
         train_keys = "prompt", "label"
         if not cfg.eval.dataset:
             cfg.eval.dataset, eval_keys = eval_path, train_keys
-    elif cfg.agent.verifiers_env and not cfg.data.prompt_dataset:  # the environment's tasks are the prompts
-        from openrlhf_async.agent.verifiers_env import load_env, prompt_rows
+    elif verifiers_env is not None and not cfg.data.prompt_dataset:  # the environment's tasks are the prompts
+        from openrlhf_async.agent.verifiers_env import prompt_rows
 
         os.makedirs(builtin_dir, exist_ok=True)
         cfg.data.prompt_dataset = os.path.join(builtin_dir, "verifiers_tasks.jsonl")
         with open(cfg.data.prompt_dataset, "w") as f:
-            f.writelines(json.dumps(row) + "\n"
-                         for row in prompt_rows(load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)))
+            f.writelines(json.dumps(row) + "\n" for row in prompt_rows(verifiers_env))
         train_keys = "prompt", "label"
     elif not cfg.data.prompt_dataset:
         from openrlhf_async.data.synthetic import write_builtin_task

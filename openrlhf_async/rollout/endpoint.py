@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from openrlhf_async.agent import EPISODE_FIELD  # the body field naming a request's episode
-from openrlhf_async.rollout.episode import Episode
+from openrlhf_async.rollout.episode import Episode, sampled_logprobs
 
 # The open episode a request belongs to, set by the routing middleware for the request's task.
 _EPISODE = contextvars.ContextVar("openrlhf_async_episode", default=None)
@@ -80,8 +80,7 @@ class EpisodeCalls:
         if not self.calls:
             return 0
         last = self.calls[-1]
-        sequence = last.prompt_ids + last.token_ids
-        return len(prompt_ids) - len(sequence) if prompt_ids[: len(sequence)] == sequence else 0
+        return len(continuation(prompt_ids, last.prompt_ids + last.token_ids) or ())
 
     def left(self, prompt_ids: list) -> int:
         """Response tokens the budget leaves for a call with this prompt."""
@@ -90,6 +89,11 @@ class EpisodeCalls:
     def record(self, call: Call) -> None:
         self.used += self.between(call.prompt_ids) + len(call.token_ids)
         self.calls.append(call)
+
+
+def continuation(prompt_ids: list, sequence: list) -> Optional[list]:
+    """The tokens prompt_ids adds after sequence when it extends it token for token; None when it does not."""
+    return prompt_ids[len(sequence):] if prompt_ids[: len(sequence)] == sequence else None
 
 
 def episode_from_calls(request_id: str, calls: list) -> Episode:
@@ -101,9 +105,9 @@ def episode_from_calls(request_id: str, calls: list) -> Episode:
     segments = []
     for call in calls:
         current = segments[-1] if segments else None
-        sequence = current.prompt_ids + current.response_ids if current is not None else None
-        if current is not None and call.prompt_ids[: len(sequence)] == sequence:
-            observation = call.prompt_ids[len(sequence):]
+        observation = None if current is None else continuation(call.prompt_ids,
+                                                                current.prompt_ids + current.response_ids)
+        if observation is not None:
             current.response_ids += observation
             current.logprobs += [0.0] * len(observation)
             current.action_mask += [0] * len(observation)
@@ -137,36 +141,33 @@ class _Recorder:
 
     async def generate(self, prompt, sampling_params, request_id, **kwargs):
         episode = _EPISODE.get()
-        group_id = ""
-        if episode is not None:
-            if episode.closed:
-                raise EpisodeRequestError("the episode has ended (its run returned, timed out or was aborted)")
-            sampling_params.temperature = episode.sampling.get("temperature", 1.0)
-            sampling_params.top_p = episode.sampling.get("top_p", 1.0)
-            sampling_params.top_k, sampling_params.min_p = 0, 0.0
-            if sampling_params.logprobs is None:
-                sampling_params.logprobs = 0  # the rollout log-prob of each sampled token, for the trainer
-            left = episode.left(list(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else [])
-            if left <= 0:
-                episode.spent = True
-                raise EpisodeRequestError(f"the episode's token budget ({episode.budget} response tokens, "
-                                          "--rollout.max_new_tokens) is spent")
-            sampling_params.max_tokens = min(sampling_params.max_tokens or left, left)
-            group_id = episode.group_id
-        if episode is not None:
-            episode.in_flight.add(request_id)
+        if episode is None:  # a request outside any episode: served, not recorded
+            final, _ = await self._actor.request(prompt, sampling_params, request_id, "", **kwargs)
+            yield final
+            return
+        if episode.closed:
+            raise EpisodeRequestError("the episode has ended (its run returned, timed out or was aborted)")
+        sampling_params.temperature = episode.sampling.get("temperature", 1.0)
+        sampling_params.top_p = episode.sampling.get("top_p", 1.0)
+        sampling_params.top_k, sampling_params.min_p = 0, 0.0
+        if sampling_params.logprobs is None:
+            sampling_params.logprobs = 0  # the rollout log-prob of each sampled token, for the trainer
+        left = episode.left(list(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else [])
+        if left <= 0:
+            episode.spent = True
+            raise EpisodeRequestError(f"the episode's token budget ({episode.budget} response tokens, "
+                                      "--rollout.max_new_tokens) is spent")
+        sampling_params.max_tokens = min(sampling_params.max_tokens or left, left)
+        episode.in_flight.add(request_id)
         try:
-            final, versions = await self._actor.request(prompt, sampling_params, request_id, group_id, **kwargs)
+            final, versions = await self._actor.request(prompt, sampling_params, request_id, episode.group_id,
+                                                        **kwargs)
         finally:
-            if episode is not None:
-                episode.in_flight.discard(request_id)
-        if episode is not None:
-            from openrlhf_async.rollout.episode import sampled_logprobs
-
-            completion = final.outputs[0]
-            episode.record(Call(list(final.prompt_token_ids), list(completion.token_ids),
-                                sampled_logprobs(completion), versions, completion.finish_reason))
-            episode.aborted = episode.aborted or completion.finish_reason == "abort"
+            episode.in_flight.discard(request_id)
+        completion = final.outputs[0]
+        episode.record(Call(list(final.prompt_token_ids), list(completion.token_ids), sampled_logprobs(completion),
+                            versions, completion.finish_reason))
+        episode.aborted = episode.aborted or completion.finish_reason == "abort"
         yield final
 
 
@@ -178,7 +179,7 @@ class _Routes:
         self.app, self.episodes = app, episodes
 
     async def __call__(self, scope, receive, send):
-        episode = key = None
+        episode = key = request = None
         if scope["type"] == "http":
             match = _EPISODE_PATH.match(scope["path"])
             if match:
@@ -189,21 +190,21 @@ class _Routes:
                 try:
                     request = json.loads(body or b"{}")
                 except ValueError:
-                    request = None  # vLLM answers it
-                if isinstance(request, dict) and EPISODE_FIELD in request:
+                    pass  # vLLM answers it
+                if not isinstance(request, dict):
+                    request = {}
+                elif EPISODE_FIELD in request:
                     key = key or str(request.pop(EPISODE_FIELD))
                     body = json.dumps(request).encode()
-                if key is not None:
-                    episode = self.episodes.get(key)
-                    if episode is None:
-                        return await _error(send, 404, f"no open episode {key!r} on this engine")
-                    try:
-                        episode.check(request if isinstance(request, dict) else {})
-                    except EpisodeRequestError as e:
-                        return await _error(send, 400, str(e))
                 receive = _replay(body, receive)
-            elif key is not None and key not in self.episodes:
-                return await _error(send, 404, f"no open episode {key!r} on this engine")
+            if key is not None:
+                episode = self.episodes.get(key)
+                if episode is None:
+                    return await _error(send, 404, f"no open episode {key!r} on this engine")
+                try:
+                    episode.check(request or {})
+                except EpisodeRequestError as e:
+                    return await _error(send, 400, str(e))
         token = _EPISODE.set(episode)
         try:
             await self.app(scope, receive, send)

@@ -74,12 +74,16 @@ def stop_properly_penalty(episode, coef) -> float:
     return episode.reward * coef if coef >= 0 else coef
 
 
+def training_sample(episode, advantage) -> dict:
+    """What the policy ranks train on from an episode of one segment: its tokens, which of them the model wrote,
+    their rollout logprobs, and the episode's advantage."""
+    return {"prompt_ids": episode.prompt_ids, "response_ids": episode.response_ids, "logprobs": episode.logprobs,
+            "action_mask": episode.action_mask, "advantage": advantage}
+
+
 def training_samples(episode, advantage) -> list:
-    """What the policy ranks train on from an episode: its tokens, which of them the model wrote, their rollout
-    logprobs, and the episode's advantage; one such sample per segment of an episode of several (Episode.segments),
-    each with the episode's advantage."""
-    return [{"prompt_ids": part.prompt_ids, "response_ids": part.response_ids, "logprobs": part.logprobs,
-             "action_mask": part.action_mask, "advantage": advantage} for part in episode_parts(episode)]
+    """training_sample of each segment of an episode (Episode.segments), each with the episode's advantage."""
+    return [training_sample(part, advantage) for part in episode_parts(episode)]
 
 
 def episode_parts(episode) -> list:
@@ -427,7 +431,7 @@ class TrainingActor:
         a, t, critic = self.cfg.algo, self.cfg.train, self.policy.critic
         if self.cfg.reward.clip_range is not None:
             rewards = rewards.clamp(*self.cfg.reward.clip_range)
-        samples = [s for ep in episodes for s in training_samples(ep, 0.0)]
+        samples = [training_sample(ep, 0.0) for ep in episodes]  # episodes of one segment each (episode_parts)
         with self.timeline.span("critic"):
             values = critic.values(samples)
         samples = self.policy._with_reference(samples, loss_settings(self.cfg, kl={"coef": self.kl.value}))
