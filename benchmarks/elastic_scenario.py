@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="folder of the run (default: a temporary one)")
     args = parser.parse_args()
 
+    from openrlhf_async.cli.train_async import main as train_main
     from openrlhf_async.config import default_cache_dir, preset_path
     from openrlhf_async.models.tiny import build_tiny_model
     from openrlhf_async.utils.local_cluster import (ENGINE, POLICY, LocalCluster, ProcessWatch, RunThread, read_steps,
@@ -46,7 +47,7 @@ def main() -> int:
             "--train.batch_size", "32", "--rollout.vllm_generate_batch_size", "16", "--train.max_steps",
             str(args.steps), "--eval.steps", "-1", "--runs_dir", os.path.join(out, "runs"), "--run_name", "elastic",
             "--no-progress"]
-    run, watch = RunThread(argv), ProcessWatch()
+    run, watch = RunThread(train_main, argv), ProcessWatch()
     run.start()
     seen = {}  # step -> when its record appeared
 

@@ -73,7 +73,8 @@ def model_folder(model: str, cache: str, tiny: dict) -> str:
         from openrlhf_async.models.tiny import build_tiny_model
 
         return build_tiny_model(cache, **tiny)
-    from openrlhf_async.models.gguf import hf_folder, is_gguf
+    from openrlhf_async.models.gguf import hf_folder
+    from openrlhf_async.utils.model_info import is_gguf
 
     if is_gguf(model):
         if not os.path.isfile(model):

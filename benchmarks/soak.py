@@ -99,10 +99,11 @@ class Run:
     """One run in a thread of this process, with the times its step records first appeared."""
 
     def __init__(self, argv: list, run_dir: str, watch):
+        from openrlhf_async.cli.train_async import main as train_main
         from openrlhf_async.utils.local_cluster import RunThread
 
         self.run_dir, self.watch, self.seen = run_dir, watch, {}
-        self.thread = RunThread(argv)
+        self.thread = RunThread(train_main, argv)
         self.thread.start()
 
     def poll(self) -> int:

@@ -1,7 +1,7 @@
 """Older OpenRLHF command lines: the flat spellings before 0.10.2 (and 0.11.0's correction flags) translated to
 today's flags, each with one notice. OpenRLHF 0.11 itself refuses them."""
 
-from openrlhf_async.config import ConfigError, notice
+from openrlhf_async.errors import ConfigError, notice
 
 # Renamed flags, old spelling -> today's (OpenRLHF 0.10.1 and 0.8.x).
 RENAMED = {

@@ -16,17 +16,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+from openrlhf_async.compat import translate_old_spellings
 from openrlhf_async.data.synthetic import BUILTIN_TASKS
-from openrlhf_async.models.gguf import is_gguf
-
-
-class ConfigError(ValueError):
-    """A bad flag, file or field; the message is one line naming it and the fix."""
-
-
-def notice(message: str) -> None:
-    """One line on stderr about a setting that is accepted but acts other than its name suggests."""
-    print(f"notice: {message}", file=sys.stderr, flush=True)
+from openrlhf_async.errors import ConfigError, notice
+from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS, gguf_context_length, is_gguf
+from openrlhf_async.utils.wandb_mode import resolve_wandb_mode, wandb_api_key_available
 
 
 # A setting's range: a test of each value (each of a pair's) and what the error says.
@@ -51,7 +45,7 @@ _PAIR = {
 
 # How a flag of OpenRLHF 0.11.2 is supported (the `openrlhf=` of a setting; None: this project's own flag):
 #   "same"            its meaning and default there;
-#   "differs: WHY"    supported, with the difference WHY (shown in the README's flag table);
+#   "differs: WHY"    supported, with the difference WHY (shown in docs/FLAGS.md's flag table);
 #   "refused: WHY"    a value other than the default stops the run before anything starts (it would change what is
 #                     trained, and is not built);
 #   "no effect: WHY"  accepted; a value other than the default prints one notice (it tunes speed or memory with
@@ -296,7 +290,8 @@ class RolloutConfig:
     vllm_generate_batch_size: Optional[int] = setting(
         None, "prompt groups in flight at once (FIFO); above --rollout.batch_size over-samples, and with early stop "
               "the surplus is cancelled; none: --rollout.batch_size", type=int, range=">= 1",
-        openrlhf="differs: over-sampling also works in sync mode (early stop cancels the surplus)")
+        openrlhf="differs: it caps the prompt groups in flight (FIFO) instead of sizing vLLM's generate calls; above "
+                 "--rollout.batch_size it over-samples, in sync mode too (early stop cancels the surplus)")
     max_tokens_per_gpu: Optional[int] = setting(None, "with --train.dynamic_batch_enable, the token budget of a "
                                                       "forward pass that only computes log-probs (the reference "
                                                       "model's, the proximal policy's); none: "
@@ -367,8 +362,9 @@ class TrainConfig:
                                         "with --train.partial_rollout_enable, --mode fully_async)", openrlhf="same")
     partial_rollout_enable: bool = setting(False, "at a weight sync, freeze episodes in flight and continue them on "
                                                   "the new weights (needs --train.async_enable)",
-                                           openrlhf="differs: runs --mode fully_async (streaming groups, staleness "
-                                                    "bounded by --train.staleness_threshold)")
+                                           openrlhf="differs: it turns on --mode fully_async (streaming groups, "
+                                                    "episodes in flight carried over weight syncs, staleness bounded "
+                                                    "by --train.staleness_threshold)")
     async_queue_size: int = setting(1, "async: batches the generator may run ahead of the trainer (env "
                                        "OPENRLHF_ASYNC_QUEUE_SIZE overrides)", openrlhf="same")
     num_episodes: int = setting(1, "passes over the prompt dataset; the run's steps are num_episodes x prompts / "
@@ -618,8 +614,13 @@ class DSConfig:
                                           "at ZeRO-3 on cpu only the gradients move (DeepSpeed offloads ZeRO-3 "
                                           "optimizer states of FusedAdam only, a cuda optimizer); no effect without "
                                           "the hybrid engine")
-    tensor_parallel_size: int = setting(1, "DeepSpeed AutoTP size", openrlhf=_SPEED_ONLY)
-    ring_attn_size: int = setting(1, "ring attention group size", openrlhf=_SPEED_ONLY)
+    tensor_parallel_size: int = setting(1, "DeepSpeed AutoTP size",
+                                        openrlhf="refused: DeepSpeed AutoTP is not built, so each rank would hold the "
+                                                 "whole model's activations and run out of memory later; shard with "
+                                                 "--ds.zero_stage 3 over more ranks")
+    ring_attn_size: int = setting(1, "ring attention group size",
+                                  openrlhf="refused: ring attention is not built, so a context sized for it would "
+                                           "run out of memory later; lower --data.max_len")
     ring_attn_head_stride: int = setting(1, "ring attention heads per step", openrlhf=_SPEED_ONLY)
     use_liger_kernel: bool = setting(False, "Liger kernels", openrlhf=_SPEED_ONLY)
     deepcompile: bool = setting(False, "DeepSpeed DeepCompile", openrlhf=_SPEED_ONLY)
@@ -645,10 +646,12 @@ class DSConfig:
 
 @dataclass
 class CkptConfig:
-    output_dir: str = setting("./ckpt", "where the final HF-format model is saved ({run_dir} is replaced by the run "
-                                        "folder)", openrlhf="same")
-    path: str = setting("./ckpt/checkpoints_ppo_ray", "folder of the resumable checkpoints ({run_dir} is replaced)",
-                        openrlhf="same")
+    output_dir: str = setting("{run_dir}/final_hf", "where the final HF-format model is saved ({run_dir} is replaced "
+                                                  "by the run folder, --runs_dir/--run_name)",
+                              openrlhf="differs: the default is in the run folder, so that runs with different "
+                                       "--run_name never share it (OpenRLHF's is ./ckpt; pass it for its layout)")
+    path: str = setting("{run_dir}/ckpt", "folder of the resumable checkpoints ({run_dir} is replaced)",
+                        openrlhf="differs: the default is in the run folder (OpenRLHF's is ./ckpt/checkpoints_ppo_ray)")
     save_steps: int = setting(-1, "save a resumable checkpoint (DeepSpeed state, data position, weight version, "
                                   "random state) every N steps; -1: never", range="-1 or >= 1", openrlhf="same")
     save_hf: bool = setting(False, "also save an HF-format model in each checkpoint", openrlhf="same")
@@ -842,12 +845,71 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line naming the flag (argparse's own adds the whole usage)
         raise ConfigError(message)
 
+    def format_help(self, prefix: str = "") -> str:
+        if not prefix:
+            return super().format_help()
+        prefix = prefix.lstrip("-")
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, [], [])
+        found = False
+        for group in self._action_groups[2:]:  # the sections (argparse's own two groups hold only --help)
+            actions = [a for a in group._group_actions if a.option_strings[0][2:].startswith(prefix)]
+            if actions:
+                found = True
+                formatter.start_section(group.title)
+                formatter.add_text(group.description)
+                formatter.add_arguments(actions)
+                formatter.end_section()
+        if not found:
+            raise ConfigError(f"--help {prefix}: no flag starts with --{prefix}; sections: {', '.join(SECTIONS)}")
+        return formatter.format_help()
 
-class _HelpFormatter(argparse.HelpFormatter):
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):  # the description's lines kept; flags' help wrapped
     def _get_help_string(self, action):
         if action.default is argparse.SUPPRESS or "%(default)" in action.help:
             return action.help
         return f"{action.help} (default: %(default)r)"
+
+
+# --help's sections: the flags' first part, in the order a user meets them, each with what it holds.
+SECTIONS = {
+    "run": "the run: its folder, mode, device, dry run",
+    "actor": "the policy model and its optimizer",
+    "rollout": "generation: samples per prompt, budgets, early stop",
+    "vllm": "the vLLM engines",
+    "train": "training steps, batches, asynchrony and staleness",
+    "algo": "advantages, losses, KL, dynamic filtering, log-prob correction",
+    "data": "prompt datasets and the built-in tasks",
+    "eval": "held-out evaluation",
+    "reward": "reward functions, services and models",
+    "agent": "agents, their sandbox and the OpenAI endpoint",
+    "ds": "DeepSpeed: ZeRO, dtypes, LoRA",
+    "ref": "the reference model",
+    "critic": "the critic (--algo.advantage.estimator gae)",
+    "ckpt": "checkpoints and the final model",
+    "logger": "metrics, W&B, TensorBoard, progress",
+    "plan": "the memory plan",
+}
+# How --help marks a flag by its OpenRLHF support (config.support); this project's own flags are unmarked.
+_MARKS = {"same": "[OpenRLHF] ", "differs": "[OpenRLHF, differs] ", "no effect": "[OpenRLHF, no effect] ",
+          "refused": "[OpenRLHF, refused] "}
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _section(flag: str) -> str:
+    return flag.partition(".")[0] if "." in flag else "run"
+
+
+class _HelpAction(argparse.Action):
+    """--help: every section; --help SECTION (or a flag prefix such as rollout or actor.adam): those flags only."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        text = parser.format_help(values or "")
+        parser._print_message(text, sys.stdout)
+        parser.exit()
 
 
 # OpenRLHF 0.11.2 spells these negations as flags of their own.
@@ -857,32 +919,49 @@ _NEGATIONS = {"actor.muon.no_nesterov": "actor.muon.nesterov", "critic.muon.no_n
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m openrlhf_async.cli.train_async",
-        description="Asynchronous agentic RL with verifiable rewards (OpenRLHF-compatible flags). Flags may also "
-                    "come from a file: @openrlhf_async/presets/tiny_cpu.args.",
-        formatter_class=_HelpFormatter,
+        usage="%(prog)s [@FLAGS_FILE] [--SECTION.FLAG VALUE ...] [--dry_run]",
+        description="Asynchronous agentic RL with verifiable rewards, with OpenRLHF's flags. Flags may also come from\n"
+                    "a file: @openrlhf_async/presets/tiny_cpu.args. --help SECTION shows one section (or the flags\n"
+                    "starting with a prefix: --help actor.adam). [OpenRLHF] marks OpenRLHF 0.11.2's flags, with\n"
+                    "differs / no effect / refused where they act otherwise here (docs/FLAGS.md says how);\n"
+                    "unmarked flags are this project's own.\n\nsections:\n"
+                    + "\n".join(f"  {name:<9}{what}" for name, what in SECTIONS.items()),
+        formatter_class=_HelpFormatter, add_help=False,
         allow_abbrev=False,  # a mistyped flag must fail, not silently match a longer one
     )
+    parser.add_argument("-h", "--help", action=_HelpAction, nargs="?", default=argparse.SUPPRESS, metavar="SECTION",
+                        help="show the flags (of one section, or those starting with a prefix) and exit")
     table = settings()
+    groups = {}
     for flag, (name, f) in table.items():
-        kwargs = dict(dest=name, default=f.default, help=f.metadata["help"].replace("%", "%%"))
+        section = _section(flag)
+        if section not in groups:
+            groups[section] = None
+    for section in [*[s for s in SECTIONS if s in groups], *[s for s in groups if s not in SECTIONS]]:
+        groups[section] = parser.add_argument_group(f"--{section}.*" if section != "run" else "run",
+                                                    SECTIONS.get(section))
+    for flag, (name, f) in table.items():
+        mark = _MARKS.get(support(f)[0], "")
+        kwargs = dict(dest=name, default=f.default, help=(mark + f.metadata["help"]).replace("%", "%%"))
+        if not f.metadata["choices"] and not isinstance(f.default, bool):
+            kwargs["metavar"] = _METAVARS.get(_value_type(f), "VALUE")
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.metadata["nargs"] or isinstance(f.default, tuple):
             kwargs.update(type=_value_type(f), nargs=f.metadata["nargs"] or len(f.default))
         else:
             kwargs.update(type=_value_type(f), choices=f.metadata["choices"])
-        parser.add_argument("--" + flag, **kwargs)
+        groups[_section(flag)].add_argument("--" + flag, **kwargs)
     for flag, positive in _NEGATIONS.items():
-        parser.add_argument("--" + flag, dest=table[positive][0], action="store_false", default=argparse.SUPPRESS,
-                            help=f"turn --{positive} off (OpenRLHF's spelling of --no-{positive})")
+        groups[_section(flag)].add_argument(
+            "--" + flag, dest=table[positive][0], action="store_false", default=argparse.SUPPRESS,
+            help=f"turn --{positive} off (OpenRLHF's spelling of --no-{positive})")
     return parser
 
 
 def parse_config(argv=None) -> Config:
     """The Config the flags give (older OpenRLHF spellings are translated, each with a notice); a bad flag raises
     ConfigError (--help prints and exits)."""
-    from openrlhf_async.compat import translate_old_spellings
-
     argv = expand_preset_files(list(sys.argv[1:] if argv is None else argv))
     cfg = Config()
     for name, value in vars(build_parser().parse_args(translate_old_spellings(argv))).items():
@@ -1081,6 +1160,33 @@ def _validate_openrlhf_support(cfg: Config) -> None:
         if kind == "refused":
             raise ConfigError(f"--{flag} {_shown(value)}: not supported here: {why}")
         notice(f"--{flag} {_shown(value)} has no effect here: {why}")
+
+
+# OpenRLHF flags accepted with another meaning here: each given one is noticed at start, with the difference.
+NOTICED_WHEN_GIVEN = ("train.partial_rollout_enable", "rollout.vllm_generate_batch_size")
+
+
+def openrlhf_differences(cfg: Config) -> list:
+    """The notices a run of these flags gets once they are all checked: each OpenRLHF flag given whose meaning
+    differs here, and each left out that OpenRLHF would need but this project fills in by itself (a model, a
+    dataset, a reward)."""
+    table, out = settings(), []
+    for flag in NOTICED_WHEN_GIVEN:
+        name, f = table[flag]
+        value = _get(cfg, name)
+        if value != f.default:
+            out.append(f"--{flag}{'' if value is True else ' ' + _shown(value)} differs from OpenRLHF's: "
+                       f"{support(f)[1]}")
+    if not cfg.actor.model_name_or_path:
+        out.append("no --actor.model_name_or_path: the embedded tiny model is trained (OpenRLHF requires a model)")
+    if not (cfg.data.prompt_dataset or cfg.data.reasoning_gym or cfg.agent.verifiers_env):
+        out.append(f"no --data.prompt_dataset: the prompts are the built-in task {cfg.data.builtin_task} "
+                   "(OpenRLHF requires a dataset)")
+    if not (cfg.agent.func_path or cfg.agent.verifiers_env or cfg.reward.remote_url or cfg.reward.model_name_or_path
+            or cfg.data.reasoning_gym):
+        out.append("no --train.agent_func_path, --reward.remote_url or --reward.model_name_or_path: answers are "
+                   "scored by math-verify against the label (OpenRLHF requires a reward)")
+    return out
 
 
 def _validate_mode(cfg: Config) -> None:
@@ -1349,14 +1455,10 @@ def _model_positions(model: Optional[str]):
     import json
 
     if not model:
-        from openrlhf_async.models.tiny import DEFAULT_SETTINGS
-
-        return DEFAULT_SETTINGS["max_positions"]
+        return TINY_MAX_POSITIONS
     if is_gguf(model) and os.path.isfile(model):
-        from openrlhf_async.models.gguf import context_length
-
         try:
-            return context_length(model)
+            return gguf_context_length(model)
         except Exception as e:  # not a GGUF file, or one without the field
             why = (str(e).splitlines() or [""])[0][:200]
             raise ConfigError(f"--actor.model_name_or_path {model}: not a readable GGUF model ({type(e).__name__}: "
@@ -1467,8 +1569,6 @@ def _validate_pipeline(cfg: Config) -> None:
 
 
 def _validate_logger(cfg: Config) -> None:
-    from openrlhf_async.utils.metrics import resolve_wandb_mode, wandb_api_key_available
-
     lg = cfg.logger
     if not lg.wandb_enabled:
         return

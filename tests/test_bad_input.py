@@ -111,6 +111,29 @@ def test_help_lists_openrlhf_flag_names():
     for flag in ("--vllm.num_engines", "--rollout.n_samples_per_prompt", "--actor.adam.lr", "--eval.steps",
                  "--algo.advantage.estimator", "--data.prompt_dataset"):
         assert flag in proc.stdout
+    first_screen = proc.stdout.splitlines()[:30]  # a short usage line, the description and the sections
+    assert first_screen[0].startswith("usage: ") and len(first_screen[0]) < 120
+    assert "  rollout  generation: samples per prompt, budgets, early stop" in first_screen
+    assert "  --actor.adam.lr X     [OpenRLHF] Adam learning rate" in proc.stdout  # OpenRLHF's flags are marked
+    assert "  --rollout.early_stop, --no-rollout.early_stop\n                        stop the rollout" in proc.stdout
+
+
+def test_help_of_one_section_shows_its_flags_and_an_unknown_one_is_one_line():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    rollout = run("--help", "rollout")
+    flags = [line.split()[0].rstrip(",") for line in rollout.stdout.splitlines() if line.startswith("  --")]
+    assert rollout.returncode == 0 and flags and all(flag.startswith("--rollout.") for flag in flags), rollout.stdout
+    assert "--rollout.n_samples_per_prompt" in flags and "--actor.adam.lr" not in rollout.stdout
+    adam = run("--help", "actor.adam")
+    assert [line.split()[0] for line in adam.stdout.splitlines() if line.startswith("  --")] == [
+        "--actor.adam.lr", "--actor.adam.betas", "--actor.adam.eps", "--actor.adam.weight_decay"], adam.stdout
+    unknown = run("--help", "rollouts")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        "error: --help rollouts: no flag starts with --rollouts; sections: run, actor, rollout, vllm, train, algo, "
+        "data, eval, reward, agent, ds, ref, critic, ckpt, logger, plan"], unknown.stderr
 
 
 AGENT_FILES = {
@@ -315,22 +338,30 @@ def test_a_user_file_that_hangs_or_exits_at_import_is_one_line(tmp_path, flag, b
 
 
 MISSING_PACKAGE = """
-import sys
+import runpy, sys
 
-class Missing:  # this environment without the tokenizers package
+class Missing:  # this environment without the package named first on the command line
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "tokenizers":
+        if name.split(".")[0] == MISSING:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
+MISSING, module, sys.argv = sys.argv[1], sys.argv[2], sys.argv[2:]
 sys.meta_path.insert(0, Missing())
-from openrlhf_async.cli.train_async import main
-sys.exit(main(sys.argv[1:]))
+runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 
-def test_a_missing_package_is_one_line_saying_to_run_make_install(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", MISSING_PACKAGE, "@" + preset_path("tiny_cpu"), "--dry_run",
-                           "--runs_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: the Python package 'tokenizers' is missing from {sys.executable}'s environment: run `make install` "
+@pytest.mark.parametrize("package,module,args", [
+    ("tokenizers", "openrlhf_async.cli.train_async", ["@" + preset_path("tiny_cpu"), "--dry_run",
+                                                     "--runs_dir", "{tmp}"]),
+    ("pyarrow", "openrlhf_async.cli.prepare_data", ["--dataset", "dapo-math-17k", "--input", "{tmp}/x.parquet",
+                                                    "--output", "{tmp}/out"]),
+])
+def test_a_missing_package_is_one_line_saying_to_run_make_install(tmp_path, package, module, args):
+    (tmp_path / "x.parquet").write_bytes(b"")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = subprocess.run([sys.executable, "-c", MISSING_PACKAGE, package, module, *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        f"error: the Python package '{package}' is missing from {sys.executable}'s environment: run `make install` "
         "and use .venv/bin/python"], proc.stderr

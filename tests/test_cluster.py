@@ -57,7 +57,7 @@ def test_a_tensor_parallel_engine_actor_sees_its_nodes_gpus(cluster):
     from ray.util.placement_group import remove_placement_group
 
     from openrlhf_async.rollout.engine import engine_actor_options
-    from openrlhf_async.rollout.fleet import engine_placement_group
+    from openrlhf_async.rollout.engine import engine_placement_group
 
     cfg = preset_config("--device", "cuda", "--vllm.tensor_parallel_size", "2", validated=False)
     group = engine_placement_group(cfg)
@@ -78,7 +78,7 @@ def test_the_trainer_ranks_are_placed_before_the_engines_and_together(cluster):
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from openrlhf_async.rollout.fleet import engine_placement_group
+    from openrlhf_async.rollout.engine import engine_placement_group
     from openrlhf_async.trainer.policy import trainer_placement_group
     from openrlhf_async.utils.cluster import group_nodes
 

@@ -200,29 +200,39 @@ def test_a_sync_in_wait_mode_starts_its_broadcast_only_once_the_engines_finished
     from test_weight_sync import _prompt_ids
 
     prompt = _prompt_ids(tiny_model_path, 1)[0]
-    running = engines[0].generate.remote(prompt, {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True},
-                                          "drain-0")
-    deadline = time.time() + 60
+
     def tokens_so_far(actor):  # what vLLM has produced for the requests it is running
         return sum(s.detokenizer.num_output_tokens() for s in actor.engine.output_processor.request_states.values())
 
-    while not ray.get(engines[0].__ray_call__.remote(tokens_so_far)):
-        assert time.time() < deadline, "the request never started"
-        time.sleep(0.01)
+    def last_span(kind):  # (start, end) of the engine's last span of this kind
+        return ray.get(engines[0].__ray_call__.remote(
+            lambda actor: [(s["start"], s["end"]) for s in actor.timeline.spans if s["kind"] == kind][-1]))
+
     send, started = weight_sync._send, []
 
     def timed_send(members, version):
         started.append(time.time())
         return send(members, version)
 
-    weight_sync._send = timed_send
-    try:
-        weight_sync.sync("wait")
-    finally:
-        weight_sync._send = send
-    out = ray.get(running)
-    finished = ray.get(engines[0].__ray_call__.remote(  # when the engine last had a request in flight
-        lambda actor: [s for s in actor.timeline.spans if s["kind"] == "generate"][-1]["end"]))
+    for attempt in range(3):
+        running = engines[0].generate.remote(prompt, {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True},
+                                              f"drain-{attempt}")
+        deadline = time.time() + 60
+        while not ray.get(engines[0].__ray_call__.remote(tokens_so_far)):
+            assert time.time() < deadline, "the request never started"
+            time.sleep(0.01)
+        started.clear()
+        weight_sync._send = timed_send
+        try:
+            weight_sync.sync("wait")
+        finally:
+            weight_sync._send = send
+        out = ray.get(running)
+        paused, finished = last_span("sync")[0], last_span("generate")[1]
+        if paused < finished:  # the request was still running when the sync paused the engine: it drained
+            break
+    else:
+        pytest.fail("the request ended before the sync paused the engine, three times: nothing was drained")
     assert len(out["response_ids"]) == 200 and set(out["token_versions"]) == {weight_sync.version - 1}
     assert started and started[0] >= finished, "the broadcast began while the engine was still draining"
 

@@ -9,14 +9,17 @@ import time
 import pytest
 
 from openrlhf_async.config import Config, LoggerConfig
-from openrlhf_async.utils.metrics import MetricsLog, resolve_wandb_mode
+from openrlhf_async.utils.metrics import MetricsLog, TokenRate
+from openrlhf_async.utils.wandb_mode import resolve_wandb_mode
 
 STEPS = [
-    {"step": 1, "reward/mean": 0.25, "staleness/max": 0, "rollout/tokens_per_s": 120.0, "queue/depth": 1,
+    {"step": 1, "reward/mean": 0.25, "staleness/max": 0, "rollout/tokens_per_s": 120.0, "rollout/tokens_generated": 140,
+     "queue/depth": 1,
      "agent/first_error": "ValueError: bad answer"},
-    {"step": 2, "reward/mean": 0.5, "staleness/max": 1, "rollout/tokens_per_s": 130.5, "queue/depth": 0},
-    {"step": 3, "reward/mean": 0.75, "staleness/max": 2, "rollout/tokens_per_s": 140.0, "queue/depth": 1,
-     "eval/accuracy": 0.6},
+    {"step": 2, "reward/mean": 0.5, "staleness/max": 1, "rollout/tokens_per_s": 130.5, "rollout/tokens_generated": 140,
+     "queue/depth": 0},
+    {"step": 3, "reward/mean": 0.75, "staleness/max": 2, "rollout/tokens_per_s": 9e6, "rollout/tokens_generated": 140,
+     "queue/depth": 1, "eval/accuracy": 0.6},
 ]
 
 
@@ -61,7 +64,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     log_steps(log)
 
     expected = numeric_series(read_jsonl(run_dir))
-    assert "agent/first_error" not in expected and len(expected) == 5
+    assert "agent/first_error" not in expected and len(expected) == 6
     events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == sorted(expected)
@@ -102,11 +105,23 @@ def test_a_resumed_log_continues_every_record_after_the_checkpoint_step(tmp_path
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("reward/mean")] == [(1, 0.1), (2, 1.0), (3, 1.5)]
 
 
-def test_progress_bar_shows_staleness(tmp_path, capsys):
+def test_progress_bar_shows_staleness_and_the_token_rate_over_its_window(tmp_path, capsys):
     log = MetricsLog(str(tmp_path / "run"), 3, progress=True)
+    log.rate.clock = iter([0.0, 1.0, 2.0]).__next__  # a step a second, 140 tokens each
     log_steps(log)
     bar = capsys.readouterr().err
-    assert "stale=2" in bar and "reward=0.750" in bar and "acc=0.600" in bar and "tok/s=140" in bar
+    assert "stale=2" in bar and "reward=0.750" in bar and "acc=0.600" in bar, bar
+    # Step 3's own rate (9e6: a carried batch ready at once) is not what the bar shows.
+    assert "tok/s=140" in bar and "9000000" not in bar, bar
+
+
+def test_the_token_rate_is_over_the_last_steps_wall_time_and_does_not_spike():
+    times = iter([0.0, 10.0, 20.0, 20.000001, 30.0, 40.0, 50.0, 60.0, 70.0])
+    rate = TokenRate(window=5, clock=times.__next__)
+    assert rate.add(0) is None  # the evaluation before training: no tokens, no time yet
+    assert [round(rate.add(1000)) for _ in range(2)] == [100, 100]
+    assert round(rate.add(1000)) == 150  # a carried batch logged a microsecond later: 3000 tokens in 20 s
+    assert [round(rate.add(500)) for _ in range(5)] == [117, 100, 88, 75, 50]  # the first steps leave the window
 
 
 def test_wandb_without_a_key_runs_offline_in_the_run_dir(tmp_path, no_wandb_credentials):

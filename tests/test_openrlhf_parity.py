@@ -109,6 +109,9 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
     (["--train.batch_size", "512"], "--train.batch_size 512: a mini batch cannot hold more than the rollout batch's"),
     (["--train.partial_rollout_enable"], "--train.partial_rollout_enable needs --train.async_enable"),
     (["--use_ms"], "--use_ms True: not supported here: ModelScope"),
+    # They would do nothing, and a context or model sized for them runs out of memory later: refused now.
+    (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: not supported here: ring attention is not built"),
+    (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size 2: not supported here: DeepSpeed AutoTP is not"),
 ])
 def test_flags_that_would_change_training_and_are_not_built_are_refused_in_one_line(flags, message):
     with pytest.raises(ConfigError) as e:
@@ -118,7 +121,7 @@ def test_flags_that_would_change_training_and_are_not_built_are_refused_in_one_l
 
 @pytest.mark.parametrize("flags, message", [
     (["--ds.use_liger_kernel"], "--ds.use_liger_kernel True has no effect here: a speed/memory kernel"),
-    (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2 has no effect here"),
+    (["--ds.ring_attn_head_stride", "2"], "--ds.ring_attn_head_stride 2 has no effect here"),
     (["--critic.adam.lr", "1e-5"], "--critic.adam.lr has no effect without --algo.advantage.estimator gae"),
     (["--train.async_queue_size", "2"], "--train.async_queue_size 2 has no effect in --mode sync"),
     (["--train.async_enable", "--train.colocate_all", "--ds.enable_sleep"],
@@ -213,3 +216,31 @@ def test_a_flags_file_reads_like_a_command_line(tmp_path):
     assert (cfg.rollout.batch_size, cfg.data.input_template, cfg.rollout.n_samples_per_prompt) == (4, "Q: {} A:", 2)
     with pytest.raises(ConfigError, match=r"^@/no/such.args: cannot read the flags file"):
         parse_config(["@/no/such.args"])
+
+
+def test_openrlhf_flags_with_another_meaning_here_are_noticed_once_the_run_is_checked(tmp_path, capsys):
+    from test_bad_input import run_cli
+
+    assert run_cli(tmp_path, "--train.async_enable", "--train.partial_rollout_enable",
+                   "--rollout.vllm_generate_batch_size", "8", "--dry_run") == 0
+    notices = [line.split(":")[1].strip() for line in capsys.readouterr().err.splitlines()
+               if line.startswith("notice: ")]
+    assert notices == ["--train.partial_rollout_enable differs from OpenRLHF's",
+                       "--rollout.vllm_generate_batch_size 8 differs from OpenRLHF's",
+                       "no --actor.model_name_or_path", "no --data.prompt_dataset",
+                       "no --train.agent_func_path, --reward.remote_url or --reward.model_name_or_path"], notices
+    # What OpenRLHF itself needs given (a model, a dataset, a reward), none of those notices; a failing run shows
+    # its error alone.
+    data, reward = tmp_path / "prompts.jsonl", tmp_path / "reward.py"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [0.0] * len(queries)}\n")
+    flags = ["--data.prompt_dataset", str(data), "--data.input_key", "prompt", "--data.label_key", "label",
+             "--reward.remote_url", str(reward),
+             "--rollout.batch_size", "1", "--train.batch_size", "8", "--dry_run"]
+    assert run_cli(tmp_path, *flags) == 0
+    notices = [line.split(":")[1].strip() for line in capsys.readouterr().err.splitlines()
+               if line.startswith("notice: ")]
+    assert notices == ["--rollout.vllm_generate_batch_size 64 differs from OpenRLHF's",  # the tests' preset's
+                       "no --actor.model_name_or_path"], notices  # the preset trains the tiny model
+    assert run_cli(tmp_path, *flags, "--rollout.vllm_generate_batch_size", "0") == 2
+    assert capsys.readouterr().err.strip().startswith("error: --rollout.vllm_generate_batch_size 0")

@@ -51,6 +51,9 @@ def test_the_tasks_own_scorer_judges_the_last_boxed_answer():
     out = reward_func([prompt + a for a in answers], [prompt] * 4, [label] * 4)
     assert out["rewards"] == [1.0, 1.0, 1.0, 0.0] and out["extra_logs"]["accuracy"] == [1.0, 1.0, 1.0, 0.0]
     assert extract_answer("\\boxed{\\frac{1}{2}} and more") == "\\frac{1}{2}"
+    # An unboxed last line that works the sum out answers with what follows its last "=".
+    assert [extract_answer(t) for t in ("So:\n5 + 3 = 8.<|im_end|>", "**x = -2**</s>", "The answer is 8")] == [
+        "8", "-2", "The answer is 8"]
 
 
 def test_a_dry_run_with_reasoning_gym_tasks_passes_and_an_unknown_task_fails(tmp_path):

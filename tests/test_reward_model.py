@@ -174,7 +174,8 @@ def test_colocated_reward_models_sit_in_their_hosts_bundles_one_each_and_a_resta
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from openrlhf_async.reward.model import NAMESPACE, reward_model_names, start_reward_models
+    from openrlhf_async.reward.model import reward_model_names, start_reward_models
+    from openrlhf_async.reward.sources import NAMESPACE
 
     cfg = preset_config("--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "2",
                         "--reward.model_name_or_path", tiny_reward_model, "--reward.num_gpus_per_node", "2",
@@ -213,7 +214,7 @@ def test_a_dead_or_hung_reward_model_is_a_counted_reward_error_not_a_hung_episod
         async def score(self, texts):
             await asyncio.sleep(3600)
 
-    from openrlhf_async.reward.model import NAMESPACE, ModelReward
+    from openrlhf_async.reward.sources import NAMESPACE, ModelReward
     from openrlhf_async.rollout.episode import Episode
     from openrlhf_async.rollout.group_runner import rescored
 

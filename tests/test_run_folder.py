@@ -87,7 +87,7 @@ def test_overwrite_deletes_the_earlier_runs_records_before_the_run_starts(tmp_pa
 def test_load_enable_without_a_checkpoint_starts_a_new_run_and_says_so(tmp_path, capsys):
     assert run_cli(tmp_path, "--ckpt.load_enable", "--dry_run") == 0
     err = capsys.readouterr().err.strip()
-    notices = [line for line in err.splitlines() if line.startswith("notice:")]  # the memory plan's table beside
+    notices = [line for line in err.splitlines() if line.startswith("notice: --ckpt")]  # the memory plan's beside
     assert notices == [f"notice: --ckpt.load_enable: no checkpoint in {tmp_path / 'runs' / 'run' / 'ckpt'}; starting a "
                        "new run"], err
 
@@ -221,3 +221,18 @@ def test_a_folder_the_run_cannot_write_is_refused_by_the_dry_run_and_at_start_na
     assert sorted(os.walk(tmp_path)) == before, "the dry run left something behind"
     with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
         prepare(parse_config(flags))  # a real start, before any actor
+
+
+def test_runs_with_different_names_in_one_folder_keep_their_models_apart_by_default(tmp_path, capsys):
+    """OpenRLHF's default --ckpt.output_dir ./ckpt made a second run refuse to start (or, with --overwrite, delete
+    the first run's model); here the defaults are in each run's folder."""
+    earlier_run(tmp_path, "a")
+    assert run_cli(tmp_path, "--run_name", "a", "--dry_run") == 2
+    capsys.readouterr()
+    assert run_cli(tmp_path, "--run_name", "b", "--dry_run") == 0
+    out = capsys.readouterr().out
+    ckpt = json.loads(out[: out.rindex("\ndry run:")])["config"]["ckpt"]
+    assert (ckpt["output_dir"], ckpt["path"]) == ("{run_dir}/final_hf", "{run_dir}/ckpt")
+    cfg = parse_config([PRESET, "--runs_dir", str(tmp_path / "runs"), "--run_name", "b"])
+    assert (cfg.output_dir, cfg.ckpt_path) == (str(tmp_path / "runs" / "b" / "final_hf"),
+                                               str(tmp_path / "runs" / "b" / "ckpt"))

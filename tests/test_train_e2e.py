@@ -120,6 +120,8 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     deadline = time.time() + 120
     while _newest_step(run_dir / "metrics.jsonl") % 2 == 0 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
+    odd = _newest_step(run_dir / "metrics.jsonl")
+    assert odd % 2 == 1 and proc.poll() is None, f"no odd step to kill after (step {odd}, exit {proc.poll()})"
     proc.kill()  # SIGKILL: no clean-up of any kind in the driver
     proc.communicate()
     _, alive = psutil.wait_procs(heavy, timeout=60)

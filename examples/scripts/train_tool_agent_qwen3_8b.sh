@@ -6,7 +6,8 @@
 # --train.batch_size for several clipped updates), token-level TIS against vLLM's log-probs on the model's tokens.
 # Resources: 8 GPUs (1 node): 4 vLLM engines (tensor parallel 1) + 4 DeepSpeed ZeRO-3 trainer ranks.
 # Data: prepare_data --dataset dapo-math-17k --instruction "Use Python when it helps (write a \`\`\`python block);
-#       put your final answer within \\boxed{}." (see the README), and aime24 likewise.
+#       put your final answer within \\boxed{}." and aime24 likewise, into a folder of their own (the DAPO scripts'
+#       files have the same names without the instruction), given as DATA_DIR: docs/DATA.md.
 # Network: export NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME, NCCL_DEBUG, ... before running it: submit.sh
 # hands them to every rank and engine on every node. Checkpoints (--ckpt.path) and the final model must be on storage
 # every node mounts at the same path (the run checks it at start).

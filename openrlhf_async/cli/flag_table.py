@@ -1,5 +1,5 @@
-"""The README's table of every OpenRLHF 0.11.2 `train_ppo_ray` flag and how it is supported here, generated from
-the config: `python -m openrlhf_async.cli.flag_table`, pasted between the README's flag-table markers
+"""docs/FLAGS.md's table of every OpenRLHF 0.11.2 `train_ppo_ray` flag and how it is supported here, generated from
+the config: `python -m openrlhf_async.cli.flag_table`, pasted between that page's flag-table markers
 (tests/test_readme.py checks that they agree)."""
 
 from openrlhf_async.config import settings, support

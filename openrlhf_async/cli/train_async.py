@@ -6,6 +6,8 @@ import os
 import sys
 import tempfile
 
+from openrlhf_async.cli import missing_package
+
 
 def prepare(cfg):
     """Resolve the model, agent, reward, datasets and the checkpoint to resume from, and check them and the folders
@@ -13,8 +15,8 @@ def prepare(cfg):
     dry run writes nothing and builds nothing.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
-    from openrlhf_async.config import (ConfigError, check_local_cores, default_cache_dir, is_gguf, resolve_steps,
-                                       to_dict, validate)
+    from openrlhf_async.config import (ConfigError, check_local_cores, default_cache_dir, is_gguf, notice,
+                                       openrlhf_differences, resolve_steps, to_dict, validate)
     from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
     from openrlhf_async.trainer import memory_plan
     from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
@@ -22,6 +24,7 @@ def prepare(cfg):
     from openrlhf_async.utils.user_files import check_user_file
 
     validate(cfg)
+    differences = openrlhf_differences(cfg)  # said once everything is checked, so that an error stands alone
     check_local_cores(cfg)  # on cpu without a Ray cluster, the ranks need this machine's cores
     run_folder.check_folders(cfg)  # a folder the run cannot write fails now, not after training
     # One run per run folder: a real start holds its lock from here (before its records are read or deleted) to the
@@ -63,6 +66,8 @@ def prepare(cfg):
     resolve_steps(cfg, len(train_rows))
     check_resume_data(cfg, resume, len(train_rows))
     memory_plan.for_config(cfg)  # a run whose trainer ranks or engines cannot fit is refused here
+    for message in differences:
+        notice(message)
     model_path = cfg.actor.model_name_or_path
     if cfg.dry_run:
         cfg.data.prompt_dataset, cfg.eval.dataset = given  # the report shows the flags, not a deleted folder
@@ -219,8 +224,10 @@ def _memory_summary(plan) -> str:
 
 
 def main(argv=None) -> int:
-    from openrlhf_async.config import ConfigError, parse_config
-
+    try:
+        from openrlhf_async.config import ConfigError, parse_config
+    except ModuleNotFoundError as e:
+        return missing_package(e)
     try:
         cfg = parse_config(argv)
         model_path, train_rows, eval_rows, resume = prepare(cfg)
@@ -228,9 +235,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:  # this environment lacks a package the project needs
-        print(f"error: the Python package '{e.name}' is missing from {sys.executable}'s environment: run `make "
-              "install` and use .venv/bin/python", file=sys.stderr)
-        return 2
+        return missing_package(e)
     if cfg.dry_run:
         report = dry_run_report(cfg, model_path, train_rows, eval_rows, resume)
         print(json.dumps(report, indent=2))

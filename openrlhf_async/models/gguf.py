@@ -14,13 +14,11 @@ import shutil
 import sys
 import tempfile
 
+from openrlhf_async.utils.model_info import gguf_value, is_gguf
+
 DONE = "converted_from.txt"  # written last: a folder without it is an interrupted conversion
 VERSION = 3  # of the conversion; part of the cache key, so that a fixed conversion replaces an older one
 SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")  # tokenizer.ggml.<name>_token_id ("unknown", "padding")
-
-
-def is_gguf(path: str) -> bool:
-    return bool(path) and path.lower().endswith(".gguf")
 
 
 def _fingerprint(path: str) -> str:
@@ -35,20 +33,6 @@ def _fingerprint(path: str) -> str:
     return digest.hexdigest()[:12]
 
 
-def context_length(path: str) -> int:
-    """The model's context length, from the file's metadata ("<architecture>.context_length")."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    arch = bytes(_value(fields["general.architecture"])).decode()
-    return int(_value(fields[f"{arch}.context_length"])[0])
-
-
-def _value(field):
-    """A metadata field's value (as the reader's array: one number, or a string's bytes)."""
-    return field.parts[field.data[0]]
-
-
 def special_token_ids(path: str) -> dict:
     """{"bos": id, "eos": id, ...}: the special tokens the file names."""
     from gguf import GGUFReader
@@ -58,7 +42,7 @@ def special_token_ids(path: str) -> dict:
         key = {"unk": "unknown", "pad": "padding"}.get(name, name)
         field = fields.get(f"tokenizer.ggml.{key}_token_id")
         if field is not None:
-            out[name] = int(_value(field)[0])
+            out[name] = int(gguf_value(field)[0])
     return out
 
 

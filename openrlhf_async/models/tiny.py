@@ -26,6 +26,7 @@ from openrlhf_async.data.synthetic import (
     carry_slip_answer,
     train_pool,
 )
+from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS
 
 PAD, EOS, UNK, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|unk|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]
@@ -45,7 +46,7 @@ BUILD_VERSION = 2
 
 DEFAULT_SETTINGS = dict(
     num_layers=2,
-    max_positions=256,
+    max_positions=TINY_MAX_POSITIONS,
     intermediate_size=512,
     seed=0,
     warm_steps=1500,

@@ -6,17 +6,17 @@ episode (prompt and response, as OpenRLHF's serve_rm takes it) with the model's 
 token, normalised by the (mean, std) stored in its config.json with --reward.normalize_enable. Calls that arrive
 while a forward runs wait and go together into the next one, so episodes finishing across groups and engines are
 batched (at most --rollout.micro_batch_size sequences a forward). Several models (comma-separated) each score every
-episode; their rewards add up. ModelReward is the engines' reward source over the actors (reward/sources.py's
-interface): a dead or hung actor is a counted reward error, the run goes on."""
+episode; their rewards add up. The engines' reward source over the actors is ModelReward (reward/sources.py): a dead
+or hung actor is a counted reward error, the run goes on."""
 
 import asyncio
-import itertools
 import os
 import uuid
 
 import torch
 
-NAMESPACE = "openrlhf_async"  # the reward-model actors' Ray namespace: named per run, found by the engines
+from openrlhf_async.reward.sources import NAMESPACE
+
 _STARTED = []
 
 
@@ -149,55 +149,3 @@ def reward_model_actors(cfg) -> list:
         except ValueError:  # it died: its spans are gone with it
             pass
     return out
-
-
-class ModelReward:
-    """The engines' reward source over the reward-model actors: each model scores the episode's text (its group's
-    actors taken in turn), the rewards add up; a call that fails or outlasts the timeout raises (a counted reward
-    error or timeout). A call waits for the forward running before its own: it may take --reward.timeout + 60 s."""
-
-    def __init__(self, names: tuple, timeout: float = 30.0):
-        self.names, self.timeout = names, timeout + 60.0
-        self.turns = [itertools.cycle(range(len(group))) for group in names]
-        self.actors = {}
-
-    def _actor(self, name: str):
-        import ray
-
-        if name not in self.actors:
-            self.actors[name] = ray.get_actor(name, namespace=NAMESPACE)
-        return self.actors[name]
-
-    async def score(self, queries: list, prompts: list, labels: list) -> list:
-        from openrlhf_async.reward.sources import RewardTimeout, check_reward
-
-        calls = [self._actor(group[next(turn)]).score.remote(queries) for group, turn in zip(self.names, self.turns)]
-        try:
-            per_model = await asyncio.wait_for(asyncio.gather(*calls), self.timeout)
-        except asyncio.TimeoutError:
-            raise RewardTimeout(f"a reward model took more than {self.timeout:g} s") from None
-        totals = [sum(check_reward(model[i], "reward model's reward") for model in per_model)
-                  for i in range(len(queries))]
-        return [{"reward": total, "score": total, "extra": {f"reward_model_{m}": model[i]
-                                                            for m, model in enumerate(per_model)}}
-                for i, total in enumerate(totals)]
-
-    async def close(self):
-        pass
-
-
-class SumReward:
-    """Several reward sources scoring every episode (a reward_func or service and reward models): rewards and scores
-    add up, logs merge."""
-
-    def __init__(self, sources: list):
-        self.sources = sources
-
-    async def score(self, queries: list, prompts: list, labels: list) -> list:
-        results = await asyncio.gather(*(s.score(queries, prompts, labels) for s in self.sources))
-        return [{"reward": sum(r[i]["reward"] for r in results), "score": sum(r[i]["score"] for r in results),
-                 "extra": {k: v for r in results for k, v in r[i]["extra"].items()}} for i in range(len(queries))]
-
-    async def close(self):
-        for s in self.sources:
-            await s.close()

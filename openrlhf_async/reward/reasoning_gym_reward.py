@@ -1,12 +1,13 @@
 """An OpenRLHF reward_func for reasoning-gym's tasks (--data.reasoning_gym uses it unless an agent file or
 --reward.remote_url is given; pass it as --reward.remote_url with other data made by reasoning-gym): the label is the
-task's entry as JSON, the answer the response's last \\boxed{...} (else its <answer> tag, else its last line), and the
-reward the task's own scorer's, between 0 and 1."""
+task's entry as JSON, the answer the response's last \\boxed{...} (else its <answer> tag, else its last line, from its
+last "=" on when it has one: "5 + 3 = 8." answers 8), and the reward the task's own scorer's, between 0 and 1."""
 
 import json
 import re
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_END_TOKENS = re.compile(r"(\s*(<\|[^|<>]*\|>|</s>))+\s*$")  # the chat template's end of turn after the answer
 
 
 def last_boxed(text: str):
@@ -23,6 +24,7 @@ def last_boxed(text: str):
 
 
 def extract_answer(response: str) -> str:
+    response = _END_TOKENS.sub("", response)
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed.strip()
@@ -30,7 +32,8 @@ def extract_answer(response: str) -> str:
     if tags:
         return tags[-1].strip()
     lines = [line for line in response.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+    last = lines[-1] if lines else ""
+    return last.rsplit("=", 1)[-1].strip().strip("*$").rstrip(".").strip()
 
 
 def score(response: str, label: str) -> float:

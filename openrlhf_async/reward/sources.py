@@ -1,4 +1,5 @@
-"""Reward sources an engine scores finished episodes with: an OpenRLHF reward_func file, or a reward service.
+"""Reward sources an engine scores finished episodes with: an OpenRLHF reward_func file, a reward service, or the
+reward models' actors (ModelReward; reward/model.py starts them).
 
 Both answer `await source.score(queries, prompts, labels)` with one `{"reward", "score", "extra"}` per query, as
 OpenRLHF reads a reward_func's answer: "rewards" drive the advantages, "scores" (the rewards when left out) the
@@ -24,6 +25,8 @@ ANSWER_BYTES_PER_QUERY = 1 << 20
 FUNC_CONTRACT = ("a module-level `reward_func(queries, prompts, labels, **kwargs)` returning "
                  '{"rewards": one number per query, "scores": optional, "extra_logs": optional dict of lists}; '
                  "with one query (as the engines call it) a number stands for the list")
+
+NAMESPACE = "openrlhf_async"  # the reward-model actors' Ray namespace: named per run, found by the engines
 
 
 class RewardFileError(ValueError):
@@ -252,6 +255,56 @@ class RemoteReward:
             await entry[0].close()
 
 
+class ModelReward:
+    """The engines' reward source over the reward-model actors: each model scores the episode's text (its group's
+    actors taken in turn), the rewards add up; a call that fails or outlasts the timeout raises (a counted reward
+    error or timeout). A call waits for the forward running before its own: it may take --reward.timeout + 60 s."""
+
+    def __init__(self, names: tuple, timeout: float = 30.0):
+        self.names, self.timeout = names, timeout + 60.0
+        self.turns = [itertools.cycle(range(len(group))) for group in names]
+        self.actors = {}
+
+    def _actor(self, name: str):
+        import ray
+
+        if name not in self.actors:
+            self.actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return self.actors[name]
+
+    async def score(self, queries: list, prompts: list, labels: list) -> list:
+        calls = [self._actor(group[next(turn)]).score.remote(queries) for group, turn in zip(self.names, self.turns)]
+        try:
+            per_model = await asyncio.wait_for(asyncio.gather(*calls), self.timeout)
+        except asyncio.TimeoutError:
+            raise RewardTimeout(f"a reward model took more than {self.timeout:g} s") from None
+        totals = [sum(check_reward(model[i], "reward model's reward") for model in per_model)
+                  for i in range(len(queries))]
+        return [{"reward": total, "score": total, "extra": {f"reward_model_{m}": model[i]
+                                                            for m, model in enumerate(per_model)}}
+                for i, total in enumerate(totals)]
+
+    async def close(self):
+        pass
+
+
+class SumReward:
+    """Several reward sources scoring every episode (a reward_func or service and reward models): rewards and scores
+    add up, logs merge."""
+
+    def __init__(self, sources: list):
+        self.sources = sources
+
+    async def score(self, queries: list, prompts: list, labels: list) -> list:
+        results = await asyncio.gather(*(s.score(queries, prompts, labels) for s in self.sources))
+        return [{"reward": sum(r[i]["reward"] for r in results), "score": sum(r[i]["score"] for r in results),
+                 "extra": {k: v for r in results for k, v in r[i]["extra"].items()}} for i in range(len(queries))]
+
+    async def close(self):
+        for s in self.sources:
+            await s.close()
+
+
 def make_reward(remote_url: str = "", timeout: float = 30.0, retries: int = 5, max_concurrency: int = 64,
                 workers: int = 0, models: tuple = ()):
     """The run's reward source from --reward.remote_url, which (as in OpenRLHF) is either reward service URLs
@@ -259,8 +312,6 @@ def make_reward(remote_url: str = "", timeout: float = 30.0, retries: int = 5, m
     reward/model.py), whose rewards add to it; None when there is neither. workers: run a plain def reward_func in
     that many worker processes (a hung call killed) instead of threads of the engine's process."""
     if models:
-        from openrlhf_async.reward.model import ModelReward, SumReward
-
         rule = make_reward(remote_url, timeout, retries, max_concurrency, workers)
         return ModelReward(models, timeout) if rule is None else SumReward([rule, ModelReward(models, timeout)])
     if remote_url.endswith(".py"):

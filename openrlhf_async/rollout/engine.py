@@ -456,8 +456,23 @@ def engine_gpus(cfg):
     return HYBRID_GPU_SHARE if cfg.hybrid else 1
 
 
+def engine_bundles(cfg) -> list:
+    """The placement bundles of one engine: a GPU and a CPU per tensor-parallel worker on cuda, or
+    --vllm.cpus_per_engine CPUs on cpu (Ray refuses an empty bundle: 0 becomes a token share)."""
+    if cfg.device == "cuda":
+        return [{"GPU": 1, "CPU": 1}] * cfg.vllm.tensor_parallel_size
+    return [{"CPU": cfg.vllm.cpus_per_engine or 0.001}]
+
+
+def engine_placement_group(cfg):
+    """One engine's placement group; its workers on one node (tensor parallel across nodes is never wanted)."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group(engine_bundles(cfg), strategy="STRICT_PACK")
+
+
 def engine_actor_options(cfg, group, bundle: int = 0) -> dict:
-    """Ray options of an engine actor in its placement group (fleet.engine_placement_group, or in the hybrid engine
+    """Ray options of an engine actor in its placement group (engine_placement_group, or in the hybrid engine
     the trainer's, from bundle `bundle` on): the actor in that bundle, and with tensor parallel vLLM's Ray workers in
     the following ones (VLLM_RAY_BUNDLE_INDICES, placement captured by child tasks), so they never span nodes; its
     environment (engine_env) in its runtime_env."""
@@ -485,8 +500,6 @@ def start_engine(cfg, model_path: str, engine_id: int, group, bundle: int = 0):
 
 def create_engines(cfg, model_path: str, wait: bool = True) -> list:
     """--vllm.num_engines engines, each in its own placement group (a fixed set: runs use an EngineFleet)."""
-    from openrlhf_async.rollout.fleet import engine_placement_group
-
     engines = [start_engine(cfg, model_path, i, engine_placement_group(cfg)) for i in range(cfg.num_engines)]
     if wait:
         get_all([e.ready.remote() for e in engines])

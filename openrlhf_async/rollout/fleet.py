@@ -14,20 +14,7 @@ routes work to active engines only."""
 import time
 from dataclasses import dataclass, field
 
-
-def engine_bundles(cfg) -> list:
-    """The placement bundles of one engine: a GPU and a CPU per tensor-parallel worker on cuda, or
-    --vllm.cpus_per_engine CPUs on cpu (Ray refuses an empty bundle: 0 becomes a token share)."""
-    if cfg.device == "cuda":
-        return [{"GPU": 1, "CPU": 1}] * cfg.vllm.tensor_parallel_size
-    return [{"CPU": cfg.vllm.cpus_per_engine or 0.001}]
-
-
-def engine_placement_group(cfg):
-    """One engine's placement group; its workers on one node (tensor parallel across nodes is never wanted)."""
-    from ray.util.placement_group import placement_group
-
-    return placement_group(engine_bundles(cfg), strategy="STRICT_PACK")
+from openrlhf_async.rollout.engine import engine_placement_group, start_engine
 
 
 @dataclass
@@ -153,8 +140,6 @@ class EngineFleet:
     # ---- inside --------------------------------------------------------------------------------------------
 
     def _start(self, group, reason: str, since: float, bundle: int = 0) -> None:
-        from openrlhf_async.rollout.engine import start_engine
-
         engine_id, self.next_id = self.next_id, self.next_id + 1
         handle = start_engine(self.cfg, self.model_path, engine_id, group, bundle)
         self.slots[engine_id] = Slot(handle, group, "starting", handle.ready.remote(), since, reason, bundle)

@@ -326,7 +326,7 @@ def _model_config(model) -> dict:
             return json.load(f)
     from transformers import AutoConfig
 
-    from openrlhf_async.models.gguf import is_gguf
+    from openrlhf_async.utils.model_info import is_gguf
 
     if is_gguf(model):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)),

@@ -140,17 +140,16 @@ class ProcessWatch:
 
 
 class RunThread(threading.Thread):
-    """train_async's main(argv) in a thread of this process (connected to the cluster): its exit code in .code."""
+    """main(argv) in a thread of this process (connected to the cluster): its exit code in .code. main: the run's
+    entry point, train_async's (passed in by the caller: nothing below cli/ imports it)."""
 
-    def __init__(self, argv: list):
+    def __init__(self, main, argv: list):
         super().__init__(daemon=True)
-        self.argv, self.code, self.error = argv, None, None
+        self.main, self.argv, self.code, self.error = main, argv, None, None
 
     def run(self):
-        from openrlhf_async.cli.train_async import main
-
         try:
-            self.code = main(self.argv)
+            self.code = self.main(self.argv)
         except BaseException as e:  # reported by the caller
             self.error, self.code = e, -1
 
