@@ -114,10 +114,10 @@ def test_a_failing_generator_stops_the_trainer_with_its_cause(restore_weights, e
     cfg = _cfg(stack_cfg, "fully_async", steps=50)
     cfg.agent.func_path, cfg.agent.max_error_ratio = str(agent), 0.1
     pipeline = PPOTrainerAsync(cfg, engines, policy, weight_sync, prompts, [])
-    start = time.perf_counter()
+    logged = []
     with pytest.raises(AgentFailureError, match="tool server unreachable"):  # Ray re-raises it as its own class
-        pipeline.run(lambda m: None)
-    assert time.perf_counter() - start < 60
+        pipeline.run(logged.append)
+    assert not [m for m in logged if m.get("step", 0) > 0], "the run trained on after its agent failed"
     assert _gone(pipeline.trainer) and _gone(pipeline.generator)
 
 

@@ -331,14 +331,14 @@ def test_signalling_the_parent_does_not_reach_it(hook):
 @pytest.mark.parametrize("hook", list(HOOK))
 def test_a_fork_bomb_is_contained_and_leaves_nothing(hook):
     marker = f"forkbomb-{uuid.uuid4().hex}"
-    start = time.monotonic()
     result = run(f"""
         import os, sys
         while True:
             if os.fork() == 0:
                 os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])
-    """, hook, timeout=3.0)
-    assert time.monotonic() - start < 3.0 + 3.0 and result["exit_code"] != 0
+    """, hook, timeout=30.0)
+    # Stopped by the process limit (its fork fails), not by the timeout.
+    assert not result["timed_out"] and result["exit_code"] != 0, result
     assert "BlockingIOError" in result["stderr"] or "PermissionError" in result["stderr"], result["stderr"][-300:]
     assert host_processes_with(marker) == []
 
@@ -598,8 +598,6 @@ def test_the_audit_hook_reads_no_globals():
 
 
 def test_an_infinite_loop_times_out_and_is_killed():
-    start = time.monotonic()
     result = run_python("print('started', flush=True)\nwhile True:\n    pass", timeout=1.0)
-    assert time.monotonic() - start < 1.0 + 2.0
     assert result["timed_out"] and result["exit_code"] != 0
     assert result["stdout"] == "started\n", "output written before the timeout is kept"

@@ -4,7 +4,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -107,9 +106,7 @@ def test_carry_slip_teacher():
 def test_cache_reuses_folder(model_dir):
     cache_dir = os.path.dirname(model_dir)
     mtime = os.path.getmtime(os.path.join(model_dir, "model.safetensors"))
-    t0 = time.time()
     assert build_tiny_model(cache_dir, **SMALL) == model_dir
-    assert time.time() - t0 < 1.0
     assert os.path.getmtime(os.path.join(model_dir, "model.safetensors")) == mtime
     assert build_tiny_model(cache_dir, warm_steps=0) != model_dir  # settings are part of the key
     assert build_tiny_model(cache_dir, warm_steps=0, teacher_carry_error=0.0) != build_tiny_model(

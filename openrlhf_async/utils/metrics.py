@@ -242,6 +242,9 @@ class WandbWriter:
             if self.dropped:
                 run.summary["wandb/dropped_records"] = self.dropped
             run.finish()
+            # finish() returns before wandb-core's writer has flushed the run's .wandb file (read straight after,
+            # it held only its header in about one run of six); the service's teardown waits for its streams.
+            wandb.teardown()
         except Exception as e:
             warn(f"wandb.finish failed ({one_line(e)})")
 
