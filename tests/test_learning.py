@@ -20,7 +20,9 @@ import pytest
 from openrlhf_async.config import preset_path
 
 STEPS = 50
-MARGIN = 0.06  # of the groups' mean score; 40-step runs gained 0.095-0.125 (sync) and 0.099 (fully async)
+# Of the groups' mean score. Measured gains over 40-50 steps: sync 0.095-0.184, fully async 0.042-0.117 (it dips
+# first, with batches of a staler policy); with group_norm's advantage sign flipped: 0.000 and -0.061.
+MARGIN = 0.03
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
