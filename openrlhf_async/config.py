@@ -932,14 +932,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action=_HelpAction, nargs="?", default=argparse.SUPPRESS, metavar="SECTION",
                         help="show the flags (of one section, or those starting with a prefix) and exit")
     table = settings()
-    groups = {}
-    for flag, (name, f) in table.items():
-        section = _section(flag)
-        if section not in groups:
-            groups[section] = None
-    for section in [*[s for s in SECTIONS if s in groups], *[s for s in groups if s not in SECTIONS]]:
-        groups[section] = parser.add_argument_group(f"--{section}.*" if section != "run" else "run",
-                                                    SECTIONS.get(section))
+    used = dict.fromkeys(_section(flag) for flag in table)  # in the flags' order
+    groups = {section: parser.add_argument_group(f"--{section}.*" if section != "run" else "run",
+                                                 SECTIONS.get(section))
+              for section in [*[s for s in SECTIONS if s in used], *[s for s in used if s not in SECTIONS]]}
     for flag, (name, f) in table.items():
         mark = _MARKS.get(support(f)[0], "")
         kwargs = dict(dest=name, default=f.default, help=(mark + f.metadata["help"]).replace("%", "%%"))
