@@ -48,11 +48,16 @@ def test_a_stop_flag_ends_every_turn_there_and_keeps_the_sampled_tokens(engines,
     value = tuple(DIGITS) if flag == "stop" else tuple(sorted(digit_ids))
     cfg = config_with(stack_cfg, rollout={flag: value, "n_samples_per_prompt": 2},
                       algo={"dynamic_filtering_enable": False})
-    for ep in _episodes(engines, cfg, prompts):
-        # Without the flag the answer runs on past its first digit to the end token.
-        assert ep.finish_reason == "stop" and _ends_at_its_first_digit(ep.response_ids, digit_ids), (
+    stopped = 0
+    for ep in _episodes(engines, cfg, prompts, target=4):
+        # Without the flag the answer runs on past its first digit to the end token. A sampled answer may also end
+        # at the end token before writing any digit (the tiny model once wrote "(" and its end token).
+        assert ep.finish_reason == "stop" and (_ends_at_its_first_digit(ep.response_ids, digit_ids) or (
+            ep.response_ids[-1] == tokenizer.eos_token_id and not digit_ids & set(ep.response_ids))), (
             tokenizer.decode(ep.response_ids))
+        stopped += _ends_at_its_first_digit(ep.response_ids, digit_ids)
         assert len(ep.logprobs) == len(ep.response_ids) and all(lp < 0 for lp in ep.logprobs)
+    assert stopped >= 4, f"only {stopped} of 8 answers ended at a digit: the stop flag was hardly tested"
 
 
 def test_an_agents_stop_strings_end_its_next_turn_and_not_the_one_before(engines, stack_cfg, prompts, tokenizer,
