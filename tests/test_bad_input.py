@@ -342,7 +342,7 @@ import runpy, sys
 
 class Missing:  # this environment without the package named first on the command line
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == MISSING:
+        if name == MISSING or name.startswith(MISSING + "."):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 MISSING, module, sys.argv = sys.argv[1], sys.argv[2], sys.argv[2:]
@@ -365,3 +365,10 @@ def test_a_missing_package_is_one_line_saying_to_run_make_install(tmp_path, pack
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         f"error: the Python package '{package}' is missing from {sys.executable}'s environment: run `make install` "
         "and use .venv/bin/python"], proc.stderr
+
+
+def test_a_missing_module_of_this_package_is_a_bug_shown_with_its_traceback_not_a_call_to_make_install():
+    proc = subprocess.run([sys.executable, "-c", MISSING_PACKAGE, "openrlhf_async.errors",
+                           "openrlhf_async.cli.train_async", "--dry_run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "make install" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("ModuleNotFoundError: No module named 'openrlhf_async.errors'"), proc.stderr

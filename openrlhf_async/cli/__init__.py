@@ -6,14 +6,23 @@ import sys
 
 
 def missing_package(error: ModuleNotFoundError) -> int:
-    """Print the one-line error for a package this environment lacks; the exit status."""
+    """Print the one-line error for a package this environment lacks; the exit status. A module of this package
+    missing is a bug, raised again as one."""
+    if not is_missing_package(error):
+        raise error
     print(f"error: the Python package '{error.name.split('.')[0]}' is missing from {sys.executable}'s environment: "
           "run `make install` and use .venv/bin/python", file=sys.stderr)
     return 2
 
 
+def is_missing_package(error: BaseException) -> bool:
+    """A third-party package is missing (a module of this package missing is a bug, shown as one)."""
+    return (isinstance(error, ModuleNotFoundError) and bool(error.name)
+            and error.name.split(".")[0] != "openrlhf_async")
+
+
 def _excepthook(kind, error, tb, previous=sys.excepthook):
-    if issubclass(kind, ModuleNotFoundError) and error.name and not error.name.startswith("openrlhf_async"):
+    if is_missing_package(error):
         sys.stderr.flush()
         missing_package(error)
         return
