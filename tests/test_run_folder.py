@@ -236,3 +236,20 @@ def test_runs_with_different_names_in_one_folder_keep_their_models_apart_by_defa
     cfg = parse_config([PRESET, "--runs_dir", str(tmp_path / "runs"), "--run_name", "b"])
     assert (cfg.output_dir, cfg.ckpt_path) == (str(tmp_path / "runs" / "b" / "final_hf"),
                                                str(tmp_path / "runs" / "b" / "ckpt"))
+
+
+def test_a_lock_left_by_a_killed_deepspeed_op_build_is_refused_at_start_naming_the_folder_to_delete(
+        tmp_path, capsys, monkeypatch):
+    """torch's build lock outlives a build killed midway, and every later trainer rank waited on it for ever."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(b"")
+    assert run_cli(tmp_path, "--dry_run") == 0  # a build may be running now: a young lock is waited for
+    capsys.readouterr()
+    os.utime(lock, (os.path.getmtime(lock) - 3600,) * 2)
+    assert run_cli(tmp_path, "--dry_run") == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {lock} was left 60 minutes ago by a compile of DeepSpeed's 'deepspeed_shm_comm' op that never ended, "
+        f"and the trainer would wait on it for ever: unless a build is running now, delete {lock.parent} (it is "
+        "rebuilt)"]

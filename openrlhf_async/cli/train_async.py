@@ -27,6 +27,7 @@ def prepare(cfg):
     differences = openrlhf_differences(cfg)  # said once everything is checked, so that an error stands alone
     check_local_cores(cfg)  # on cpu without a Ray cluster, the ranks need this machine's cores
     run_folder.check_folders(cfg)  # a folder the run cannot write fails now, not after training
+    run_folder.check_build_locks()  # a killed op build's lock would stall the trainer ranks for ever
     # One run per run folder: a real start holds its lock from here (before its records are read or deleted) to the
     # end of the process; a dry run only checks that no live run holds it.
     if cfg.dry_run:

@@ -8,15 +8,18 @@ catch of POSIX locks: closing any descriptor of the file drops the process's loc
 keeps it open (_held)."""
 
 import errno
+import glob
 import fcntl
 import os
 import struct
 import tempfile
+import time
 
 from openrlhf_async.config import ConfigError
 from openrlhf_async.utils.metrics import warn
 
 LOCK_FILE = ".lock"
+STALE_BUILD_LOCK_S = 20 * 60  # DeepSpeed's ops compile in a few minutes; a lock this old was left by a killed build
 _held = {}  # real path of a lock file -> the descriptor holding its lock, for the life of the process
 
 
@@ -40,6 +43,24 @@ def check_folders(cfg) -> None:
             which = f"--run_name: the run folder {folder}" if flag == "--run_name" else f"{flag} {folder}"
             fix = "choose another --run_name or --runs_dir" if flag == "--run_name" else f"choose a writable {flag}"
             raise ConfigError(f"{which}: {problem}; {fix}")
+
+
+def check_build_locks() -> None:
+    """A DeepSpeed op build killed midway (an out-of-memory kill, a Ctrl-C) leaves torch's lock file in the op's
+    build folder, and every later build of that op waits for it to go, for ever, inside a trainer rank. ConfigError
+    naming the folder to delete when a lock there is older than any build takes."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    for lock in sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            age = time.time() - os.stat(lock).st_mtime
+        except OSError:  # a build just ended
+            continue
+        if age > STALE_BUILD_LOCK_S:
+            folder = os.path.dirname(lock)
+            raise ConfigError(f"{lock} was left {age / 60:.0f} minutes ago by a compile of DeepSpeed's "
+                              f"'{os.path.basename(folder)}' op that never ended, and the trainer would wait on it "
+                              f"for ever: unless a build is running now, delete {folder} (it is rebuilt)")
 
 
 def _write_problem(folder: str):
