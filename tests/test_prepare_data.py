@@ -88,6 +88,22 @@ def test_dapo_instruction_system_prompt_no_dedup_and_max_samples(tmp_path):
     assert len(read_jsonl(tmp_path / "c" / "dapo-math-17k.jsonl")) == 2
 
 
+def test_another_preparation_never_replaces_the_file_unasked_the_same_one_is_no_change(tmp_path):
+    src = write_parquet(tmp_path / "dapo.parquet", DAPO_ROWS)
+    out = tmp_path / "out" / "dapo-math-17k.jsonl"
+    assert prepare("--dataset", "dapo-math-17k", "--input", src, "--output", tmp_path / "out")[0].returncode == 0
+    first = out.read_bytes()
+    assert prepare("--dataset", "dapo-math-17k", "--input", src, "--output", tmp_path / "out")[0].returncode == 0
+    flags = ("--dataset", "dapo-math-17k", "--input", src, "--output", tmp_path / "out", "--instruction", INSTRUCTION)
+    proc, _ = prepare(*flags)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {out} exists and holds another preparation (other flags or input): pass --overwrite to replace it, "
+        "or write this one to another --output folder"]
+    assert out.read_bytes() == first and sorted(p.name for p in out.parent.iterdir()) == ["dapo-math-17k.jsonl"]
+    proc, report = prepare(*flags, "--overwrite")
+    assert proc.returncode == 0 and INSTRUCTION in read_jsonl(out)[0]["prompt"]
+
+
 def test_a_snapshot_folder_is_read_in_file_order_and_deduplicated_across_files(tmp_path):
     snapshot = tmp_path / "DAPO-Math-17k"
     write_parquet(snapshot / "data" / "train-00001-of-00002.parquet", DAPO_ROWS[4:])

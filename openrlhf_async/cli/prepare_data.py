@@ -8,6 +8,7 @@ JSON, a label that is a list, an object, a boolean or NaN) is skipped and counte
 so is a file of a folder that is in another schema or unreadable, with a warning (no file that fits: an error)."""
 
 import argparse
+import filecmp
 import json
 import os
 import sys
@@ -30,6 +31,8 @@ def parse_args(argv=None):
                         help="replace the dataset's own instruction: bare problem + this text")
     parser.add_argument("--no-dedup", dest="dedup", action="store_false", help="keep repeated prompts")
     parser.add_argument("--max_samples", type=int, default=None, help="stop after this many rows written")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing <dataset>.jsonl that holds another preparation")
     args = parser.parse_args(argv)
     if args.max_samples is not None and args.max_samples < 1:
         parser.error(f"--max_samples {args.max_samples}: must be at least 1")
@@ -115,6 +118,9 @@ def main(argv=None) -> int:
             why += [f"{counts.non_math_dropped} not math"] if counts.non_math_dropped else []
             raise ValueError(f"--input {args.input}: no usable row in the {counts.rows_read} rows read"
                              + (f" ({'; '.join(why)})" if why else ""))
+        if os.path.exists(out_path) and not args.overwrite and not filecmp.cmp(tmp_path, out_path, shallow=False):
+            raise ValueError(f"{out_path} exists and holds another preparation (other flags or input): pass "
+                             "--overwrite to replace it, or write this one to another --output folder")
         os.replace(tmp_path, out_path)
     except (ValueError, OSError) as e:
         if os.path.exists(tmp_path):
