@@ -90,8 +90,11 @@ def test_an_environments_tasks_are_the_prompts_with_their_index_as_the_label(tmp
     ("import no_such_module\n", "{}", "does not import (ModuleNotFoundError: No module named 'no_such_module')"),
     ("x = 1\n", "{}", "defines no `__all__`; a taskset must export its Taskset subclass"),
     (SINGLE_TURN, "[1]", "--agent.verifiers_args: expected a JSON object"),
+    ("import sys\nsys.exit(0)\n", "{}", "does not import (SystemExit: 0)"),
+    ("while True:\n    pass\n", "{}", "did not finish importing within 2 s (a loop or a blocking call at module level?)"),
 ])
-def test_a_broken_environment_is_refused_in_one_line(tmp_path, body, args, message):
+def test_a_broken_environment_is_refused_in_one_line(tmp_path, monkeypatch, body, args, message):
+    monkeypatch.setattr("openrlhf_async.utils.user_files.IMPORT_TIMEOUT_S", 2.0)
     with pytest.raises(AgentFileError) as error:
         load_env(user_file(tmp_path, f"vf_broken_{abs(hash(body + args))}.py", body), args)
     assert message in str(error.value) and "\n" not in str(error.value)

@@ -17,7 +17,7 @@ import json
 import os
 
 from openrlhf_async.agent import EPISODE_FIELD, AgentFileError, StepResult
-from openrlhf_async.utils.user_files import import_user_file
+from openrlhf_async.utils.user_files import check_user_file, import_user_file
 
 KEY_VAR = "OPENRLHF_ASYNC_ENDPOINT_KEY"  # verifiers reads the endpoint's key from an environment variable
 # The in-process harness's id: verifiers takes a plugin id for a top-level module name.
@@ -28,8 +28,11 @@ def module_id(spec: str) -> str:
     """The environment's module id; a .py file is imported first (utils/user_files.py), under a name of its own."""
     if not spec.endswith(".py"):
         return spec
-    return import_user_file(spec, "--agent.verifiers_env", "a verifiers environment exporting its Taskset in "
-                            "__all__", AgentFileError, "openrlhf_async_verifiers_env").__name__
+    # Checked in a child process first, as agent and reward files are: one that hangs or exits at import is an error.
+    args = ("--agent.verifiers_env", "a verifiers environment exporting its Taskset in __all__", AgentFileError,
+            "openrlhf_async_verifiers_env")
+    check_user_file(spec, *args)
+    return import_user_file(spec, *args).__name__
 
 
 def _merged(base: dict, extra: dict) -> dict:
