@@ -71,18 +71,20 @@ def test_an_agents_stop_strings_end_its_next_turn_and_not_the_one_before(engines
     """)
     cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24},
                       algo={"dynamic_filtering_enable": False}, agent={"func_path": agent})
-    stopped = 0
+    stopped = ran_on = 0
     for ep in _episodes(engines, cfg, prompts, target=4):
         assert ep.error is None and ep.turns == 2 and ep.score == 1.0
         (a0, a1), (b0, b1) = action_ranges(ep.action_mask)
         first, second = ep.response_ids[a0:a1], ep.response_ids[b0:b1]
-        assert first[-1] == tokenizer.eos_token_id and digit_ids & set(first), tokenizer.decode(first)
-        # The second turn ends at its first digit, or (sampled without one) at the end token.
-        assert ep.finish_reason == "stop" and (_ends_at_its_first_digit(second, digit_ids) or (
-            second[-1] == tokenizer.eos_token_id and not digit_ids & set(second))), tokenizer.decode(second)
+        assert first[-1] == tokenizer.eos_token_id, tokenizer.decode(first)  # the stop strings not yet in force...
+        ran_on += bool(digit_ids & set(first[:-1]))  # ... so an answer runs on past its first digit
+        # The second turn ends at its first digit, or (sampled without one) at the end token or the token budget.
+        assert _ends_at_its_first_digit(second, digit_ids) and ep.finish_reason == "stop" or (
+            not digit_ids & set(second) and (second[-1] == tokenizer.eos_token_id or ep.finish_reason == "length")), (
+            tokenizer.decode(second))
         stopped += _ends_at_its_first_digit(second, digit_ids)
         assert len(ep.logprobs) == len(ep.response_ids) and all(lp < 0 for lp in ep.logprobs[b0:b1])
-    assert stopped, "no second turn wrote a digit: the stop strings were never tested"
+    assert stopped and ran_on, f"{stopped} second turns stopped at a digit, {ran_on} first turns ran past one"
 
 
 class _Generate:

@@ -122,8 +122,13 @@ def test_a_multi_turn_verifiers_environment_trains(tmp_path):
     assert [m["engine_weight_version"] for m in trained] == [1, 2]
     for m in trained:
         assert m["rollout/agent_errors"] == 0 and m["rollout/extra/turns"] == 2.0 and m["grad_norm"] > 0
-        assert m["rollout/episodes_segmented"] == 0  # the template appends turns: one sequence per episode
-    for sample in samples:
+        # The template appends turns: one sequence per episode, but for a reply in which the tiny model sampled one of
+        # its special tokens (it writes "<|user|>" now and then): vLLM's text leaves it out, so the history the env
+        # sends back is not what was sampled, and that episode is rightly split (one in 16 in a fresh-clone run).
+        assert m["rollout/episodes_segmented"] <= 2
+    one_sequence = [sample for sample in samples if len(sample["turns"]) == 2]  # a segment's row shows its own turns
+    assert len(one_sequence) >= len(samples) - 4
+    for sample in one_sequence:
         # The env's follow-up is a user turn between the model's two answers, masked (the "observation").
         first, second = sample["turns"]
         assert first["observation"].endswith("+6=<|assistant|>") and sample["error"] is None
