@@ -20,6 +20,16 @@ def _wait_for_load(engine, expected, timeout=30):
     return False
 
 
+def _wait_for_tokens(engine, since: int, timeout=60) -> bool:
+    """Until the engine generated tokens beyond `since` (vLLM's first request may take seconds to start)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ray.get(engine.progress.remote()) > since:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_abort_ends_a_running_request_and_releases_load(engines):
     engine = engines[0]
     for attempt in range(3):
@@ -42,8 +52,10 @@ def test_abort_ends_a_running_request_and_releases_load(engines):
 def test_pause_keep_freezes_requests_and_resume_finishes_them(engines):
     engine = engines[1]
     for attempt in range(3):
+        before = ray.get(engine.progress.remote())
         ref = engine.generate.remote([3, 20, 21, 4], LONG, f"pause-me-{attempt}")
-        assert _wait_for_load(engine, 1)
+        # Generating, not only queued: a request that has not started yet would look frozen without any pause.
+        assert _wait_for_load(engine, 1) and _wait_for_tokens(engine, before)
         ray.get(engine.pause.remote("keep"))
         if not ray.wait([ref], timeout=0)[0]:
             break
