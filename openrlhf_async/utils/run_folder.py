@@ -8,8 +8,8 @@ catch of POSIX locks: closing any descriptor of the file drops the process's loc
 keeps it open (_held)."""
 
 import errno
-import glob
 import fcntl
+import glob
 import os
 import struct
 import tempfile
