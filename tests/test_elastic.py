@@ -318,19 +318,25 @@ def test_a_drain_longer_than_the_sync_timeout_is_no_hang_and_keeps_every_engine(
     from test_weight_sync import _prompt_ids
 
     sync = short_sync()
-    old = sync.version
-    # 512 requests an engine: a drain of 256 took 5.9 s on a quiet machine, under the 2 x 3 s this test needs.
-    refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 512, 220, "long-drain")
-    start = time.time()
-    sync.sync("wait")
-    took = time.time() - start
-    outs = ray.get(refs)
-    print(f"drain and sync took {took:.1f} s against a sync timeout of {sync.timeout:g} s")
-    assert took > 2 * sync.timeout, f"the drain ({took:.1f} s) was too short to test anything"
-    assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
-    assert all(ray.get(e.get_weight_version.remote()) == old + 1 for e in engines)
-    # Drained, not frozen: each request whole on the weights it started with.
-    assert all(len(o["response_ids"]) == 220 and len(set(o["token_versions"])) == 1 for o in outs)
+    # The drain (most of the sync's time) must outlast the 3 s timeout by half of it again. It lasts as long as vLLM's
+    # running batch (--vllm.max_num_seqs requests, more wait outside it) takes to write 220 tokens: 5.5 to 7.9 s with
+    # 512 requests an engine on this project's machines, 1024 and 2048 no longer. Again if a run was too quick.
+    for attempt in range(3):
+        old = sync.version
+        refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 512, 220, f"long-drain-{attempt}")
+        start = time.time()
+        sync.sync("wait")
+        took = time.time() - start
+        outs = ray.get(refs)
+        print(f"drain and sync took {took:.1f} s against a sync timeout of {sync.timeout:g} s")
+        assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
+        assert all(ray.get(e.get_weight_version.remote()) == old + 1 for e in engines)
+        # Drained, not frozen: each request whole on the weights it started with.
+        assert all(len(o["response_ids"]) == 220 and len(set(o["token_versions"])) == 1 for o in outs)
+        if took > 1.5 * sync.timeout:
+            break
+    else:
+        pytest.fail(f"the drain ({took:.1f} s) was too short to test anything, three times")
     assert sync.drain_frozen == 0
 
 
