@@ -183,24 +183,22 @@ def test_step_file_runs_on_the_engines_and_scores_the_models_answer(engines, sta
 def test_openrlhf_executor_file_runs_on_the_engines(engines, stack_cfg, prompts, tokenizer):
     feedback = tokenizer(text=load_agent(EXECUTOR).executor.agent_instance_cls.__init__.__globals__["FEEDBACK"],
                          add_special_tokens=False)["input_ids"]
-    # Every other prompt has a label no answer matches, so that its episodes always take the retry turn.
-    prompts = [{**p, "label": "1000"} if i % 2 else p for i, p in enumerate(prompts)]
-    labels = {tuple(p["prompt_ids"]): p["label"] for p in prompts}
+    # A label no answer matches, so that every episode takes the retry turn. (With it on every other prompt only, the
+    # rollout's first three groups were once mostly the others, which end a turn sooner: one retry in six episodes.)
+    prompts = [{**p, "label": "1000"} for p in prompts]
     groups = _rollout(engines, stack_cfg, prompts, EXECUTOR)
     retried = 0
     for ep in [e for g in groups for e in g]:
-        assert ep.turns in (1, 2) and float(ep.extra_info["accuracy"]) == ep.score
+        assert ep.turns in (1, 2) and float(ep.extra_info["accuracy"]) == ep.score == 0.0
         (a0, a1), *retry = action_ranges(ep.action_mask)
         if retry:  # a wrong first answer: the feedback follows it, masked out, and the model answers again
             ((b0, b1),) = retry
             assert ep.response_ids[a1:b0] == feedback
             assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
             retried += 1
-        else:
-            assert ep.score == 1.0 or ep.finish_reason == "length"
-        if labels[tuple(ep.prompt_ids)] == "1000":
-            assert ep.score == 0.0
-    assert retried >= 2
+        else:  # only a first answer cut at the token budget ends the episode at once
+            assert ep.finish_reason == "length"
+    assert retried >= 3
 
 
 def test_tool_agent_sandbox_runs_inside_the_engine_in_a_two_turn_episode(engines, stack_cfg, prompts, tokenizer,
