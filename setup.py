@@ -33,7 +33,7 @@ setup(
     version="0.1.0",
     description="Asynchronous agentic RL with verifiable rewards, compatible with OpenRLHF",
     packages=find_packages(include=["openrlhf_async", "openrlhf_async.*"]),
-    package_data={"openrlhf_async": ["presets/*.args"]},
+    package_data={"openrlhf_async": ["presets/*.args", "models/embedded/*/*"]},
     python_requires=">=3.11",  # what the tests run on (3.11; the GPU check also ran 3.12)
     install_requires=COMMON,
     extras_require={

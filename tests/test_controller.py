@@ -500,8 +500,10 @@ def test_partial_with_no_valid_group_stops_the_run_and_a_full_batch_is_never_sta
     flat = [{"delay": 0.0, "scores": [0.0, 0.0]}] * 100
     groups, m = c.run(_source(flat), target=4)
     assert groups == [] and m["rollout/groups_started"] == 8
-    # Nothing but zeros seen: flat says nothing about solved or out of reach.
-    assert m["rollout/stop_reason"].startswith("the policy's scores no longer vary: 8 of the last 8 groups")
+    # Nothing but zeros seen: the scores never varied, which is not a task learned (nor out of reach).
+    assert m["rollout/stop_reason"].startswith("the scores have never varied in this run: all 16 samples scored 0")
+    assert "check the prompt template" in m["rollout/stop_reason"]
+    assert "8 of the last 8 groups" in m["rollout/stop_reason"]
     c.score_range = (0.0, 1.0)  # the run has seen both
     _, m = c.run(_source(flat), target=4)
     assert m["rollout/stop_reason"].startswith("the prompts are out of the policy's reach: 8 of the last 8")
@@ -769,4 +771,4 @@ def test_a_prompt_set_all_flat_and_set_aside_ends_the_run_when_starvation_stops_
     for action, skip in (("stop", "0"), ("partial", "0.5")):
         groups, metrics, _, _ = first_batch(action, skip)
         assert groups == [] and metrics["rollout/groups_started"] == 20 and metrics["rollout/starved_batches"] == 1
-        assert metrics["rollout/stop_reason"].startswith("the policy's scores no longer vary: 20 of the last 20")
+        assert metrics["rollout/stop_reason"].startswith("the scores have never varied in this run: all 40 samples")

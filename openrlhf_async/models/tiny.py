@@ -1,6 +1,10 @@
-"""Embedded tiny Qwen2 model + character tokenizer, warm-started on the arithmetic task.
+"""Embedded tiny Qwen2 model + character tokenizer, warm-started on the arithmetic task, and a reward model on it.
 
-Built locally from a fixed seed (no hub download) and cached on disk; loadable by HF and vLLM.
+The default builds ship with the package (models/embedded/, about 2 MB each) and are checked against their sha256
+digests before use: training them takes minutes and gives other weights on another CPU (its SIMD units and thread
+count change the floating-point sums of 1,500 AdamW steps), so a model built on the user's machine would move every
+figure calibrated on it. Other settings are built here from a fixed seed (no hub download) and cached on disk.
+`python -m openrlhf_async.models.tiny --rebuild` rebuilds the shipped pair and prints their new digests.
 Only torch / transformers / tokenizers are imported here.
 """
 
@@ -43,6 +47,13 @@ CHAT_TEMPLATE = (
 
 # Bump when the build recipe changes so stale caches are not reused.
 BUILD_VERSION = 2
+
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
+# sha256 of each shipped folder (folder_digest): the default policy and reward model, the same bytes everywhere.
+EMBEDDED_DIGESTS = {
+    "tiny-qwen2": "e5ed56e869df5845ff009f00624e2f35596485727d4fb4d25c05852965d7b519",
+    "tiny-qwen2-rm": "cb06b33f618a91b946c3446e8a854e1cd6f44e09517915364f46de4576fef542",
+}
 
 DEFAULT_SETTINGS = dict(
     num_layers=2,
@@ -168,12 +179,41 @@ def _is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+def folder_digest(path: str) -> str:
+    """sha256 over a folder's files, each its name and its bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(path, name), "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
+def embedded_model(name: str) -> str:
+    """The folder of a shipped model, after checking its digest; a changed or damaged copy is refused, not used."""
+    from openrlhf_async.errors import ConfigError
+
+    path = os.path.join(EMBEDDED_DIR, name)
+    got = folder_digest(path) if os.path.isdir(path) else "missing"
+    if got != EMBEDDED_DIGESTS[name]:
+        raise ConfigError(f"the embedded model {path} is not the one this version ships (sha256 {got[:16]}, expected "
+                          f"{EMBEDDED_DIGESTS[name][:16]}): restore it with `git checkout -- {path}` or reinstall")
+    return path
+
+
 def build_tiny_model(cache_dir: str, **settings) -> str:
-    """Build (or reuse from ``cache_dir``) the warm-started tiny model; return its folder."""
+    """The warm-started tiny model's folder: the shipped one for the default settings, else built (or reused from
+    ``cache_dir``)."""
     unknown = set(settings) - set(DEFAULT_SETTINGS)
     if unknown:
         raise TypeError(f"unknown settings: {sorted(unknown)}")
     s = {**DEFAULT_SETTINGS, **settings}
+    if s == DEFAULT_SETTINGS:
+        return embedded_model("tiny-qwen2")
+    return _build_tiny_model(cache_dir, s)
+
+
+def _build_tiny_model(cache_dir: str, s: dict) -> str:
     final = _settings_dir(cache_dir, s)
     if _is_complete(final):
         return final
@@ -199,7 +239,8 @@ def build_tiny_model(cache_dir: str, **settings) -> str:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "build_info.json"), "w") as f:
-            json.dump({"settings": s, "version": BUILD_VERSION, "build_seconds": round(time.time() - t0, 1)}, f)
+            json.dump({"settings": s, "version": BUILD_VERSION}, f)
+        print(f"built the tiny model in {time.time() - t0:.0f} s", flush=True)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -210,16 +251,26 @@ def build_tiny_model(cache_dir: str, **settings) -> str:
     return final
 
 
-def build_tiny_reward_model(cache_dir: str, steps: int = 1000, batch: int = 32, lr: float = 1e-3, seed: int = 0) -> str:
-    """A reward model in OpenRLHF's format built from the tiny model's body and trained here (under a minute on a CPU)
+RM_DEFAULTS = dict(steps=1000, batch=32, lr=1e-3, seed=0)
+
+
+def build_tiny_reward_model(cache_dir: str, policy: str = None, **settings) -> str:
+    """A reward model in OpenRLHF's format built from the tiny model's body and trained here (minutes on a CPU)
     to prefer a right answer to a wrong one on the train pool's questions (pairwise loss, -log sigmoid(r_right -
     r_wrong), as OpenRLHF's reward-model training): wrong is the carry slip where there is one, else an answer off by
     1-9. Saved with the (mean, std) of its rewards over the pool in config.json, as OpenRLHF's train_rm stores them.
-    Built once per settings (cached); returns its folder."""
+    The shipped one for the shipped policy and default settings (steps, batch, lr, seed), else built once per
+    settings (cached); returns its folder."""
     from openrlhf_async.models.value import build_value_model
 
-    policy = build_tiny_model(cache_dir)
-    settings = {"reward_model": True, "policy": os.path.basename(policy), "steps": steps, "batch": batch, "lr": lr,
+    unknown = set(settings) - set(RM_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown settings: {sorted(unknown)}")
+    if policy is None and not settings:
+        return embedded_model("tiny-qwen2-rm")
+    policy = policy or build_tiny_model(cache_dir)
+    steps, batch, lr, seed = ({**RM_DEFAULTS, **settings}[k] for k in ("steps", "batch", "lr", "seed"))
+    settings = {"reward_model": True, "policy": folder_digest(policy)[:16], "steps": steps, "batch": batch, "lr": lr,
                 "seed": seed}
     final = _settings_dir(cache_dir, settings)
     if _is_complete(final):
@@ -274,3 +325,27 @@ def build_tiny_reward_model(cache_dir: str, steps: int = 1000, batch: int = 32, 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def rebuild_embedded(out_dir: str = EMBEDDED_DIR) -> dict:
+    """Train the default policy and its reward model afresh (minutes) into out_dir; returns their digests, which
+    EMBEDDED_DIGESTS must then hold. The weights come out different on a CPU of another kind."""
+    with tempfile.TemporaryDirectory() as cache:
+        built = {"tiny-qwen2": _build_tiny_model(cache, dict(DEFAULT_SETTINGS))}
+        built["tiny-qwen2-rm"] = build_tiny_reward_model(cache, policy=built["tiny-qwen2"], **RM_DEFAULTS)
+        for name, path in built.items():
+            target = os.path.join(out_dir, name)
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(path, target)
+        return {name: folder_digest(os.path.join(out_dir, name)) for name in built}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the embedded tiny models: check them, or rebuild them")
+    parser.add_argument("--rebuild", action="store_true", help=f"train them afresh into {EMBEDDED_DIR}")
+    if parser.parse_args().rebuild:
+        print(json.dumps(rebuild_embedded(), indent=2))
+    else:
+        print(json.dumps({name: embedded_model(name) for name in EMBEDDED_DIGESTS}, indent=2))

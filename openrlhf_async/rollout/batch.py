@@ -64,6 +64,7 @@ class StartedGroup:
     group_id: str = ""
     engine: int = -1
     budget: Any = None  # its response token budget (one, or one per sample)
+    seed: Optional[int] = None  # its sampling seed (rollout/seeds.py), from the prompt's place
     call: Any = None  # the engine's generate_group call (a Ray ObjectRef, or an awaitable for local engines)
     episodes: Optional[list] = None
     valid: Optional[bool] = None
@@ -194,12 +195,14 @@ class RolloutBatch:
             valid += fill
         return valid
 
-    def starvation_report(self, score_range: tuple = None) -> str:
+    def starvation_report(self, score_range: tuple = None, verdict: str = None) -> str:
         """Why the batch starved, in one line. score_range: the lowest and highest scores the run has seen, which
-        say whether flat groups are solved prompts or prompts out of reach."""
+        say whether flat groups are solved prompts or prompts out of reach. verdict: the why, when the caller knows
+        better."""
         flat = [r for r in self.finished if r.flat]
         score = mean_score(flat or self.finished)
-        verdict = "the policy's scores no longer vary"
+        if verdict is None:
+            verdict = "the policy's scores no longer vary"
         if score_range is not None and score_range[0] < score_range[1] and flat:
             if score >= score_range[1] - 1e-6:
                 verdict = "the task is solved"

@@ -18,6 +18,7 @@ from openrlhf_async.rollout.batch import (RolloutBatch, StartedGroup, Starvation
                                           stop_rule)
 from openrlhf_async.rollout.engine import _engine_died, all_engines_dead, raising, submit
 from openrlhf_async.rollout.filter import GroupFilter
+from openrlhf_async.rollout.seeds import derive_seed
 
 
 class LoadBalancer:
@@ -88,6 +89,11 @@ class LocalHandle:
 _group_ids = itertools.count()
 
 
+def _empty(ep) -> bool:
+    """The model answered nothing: its end token (or nothing) and the episode stopped there."""
+    return sum(ep.action_mask) <= 1 and ep.finish_reason == "stop" and not ep.error
+
+
 def turn_sampling(rollout, temperature: Optional[float] = None, top_p: Optional[float] = None) -> dict:
     """A turn's vLLM sampling: --rollout.temperature and top_p (or the evaluation's), and the stop strings and token
     ids where set."""
@@ -114,6 +120,7 @@ class RolloutController:
         rollout = cfg.rollout
         self.engines, self.n, self.budget = engines, rollout.n_samples_per_prompt, cfg.budget
         self.sampling = turn_sampling(rollout) if sampling is None else sampling
+        self.seed, self.unplaced = cfg.train.seed, 0  # unplaced: groups started for prompts without a stream position
         self.max_concurrent_prompts = cfg.max_concurrent_prompts
         self.agent_path = cfg.agent.func_path
         self.filter = GroupFilter.from_config(cfg.algo)
@@ -134,6 +141,7 @@ class RolloutController:
         self._last_engine_error = None
         self.groups_finished = self.groups_valid = 0  # over the controller's life: the valid rate of later batches
         self.score_range = None  # (lowest, highest) score seen over its life: what a flat group's score means
+        self.answers = self.answers_empty = 0  # episodes finished over its life, and those the model left empty
 
     @property
     def dead_engines(self) -> set:
@@ -237,7 +245,7 @@ class RolloutController:
             raise failure
         if starved:
             metrics["rollout/starved_reason" if chosen is not None else "rollout/stop_reason"] = (
-                batch.starvation_report(self.score_range))
+                batch.starvation_report(self.score_range, self.never_varied()))
         return [r.episodes for r in chosen or []], metrics
 
     def _later_need(self, target: int, remaining: Optional[int]) -> float:
@@ -279,8 +287,13 @@ class RolloutController:
         record.group_id, record.engine = f"g{next(_group_ids)}", engine
         # At least one token: a prompt that leaves no room is vLLM's to refuse, with its own error.
         record.budget = prompt.get("budget") or max(1, self.budget(len(prompt["prompt_ids"])))
+        if record.seed is None:  # kept when the group restarts on another engine
+            if "position" in prompt:
+                record.seed = derive_seed(self.seed, "position", prompt["position"])
+            else:  # an evaluation's prompts, in their order
+                record.seed, self.unplaced = derive_seed(self.seed, "order", self.unplaced), self.unplaced + 1
         call = submit(self.engines[engine], "generate_group", prompt["prompt_ids"], prompt["label"], self.n,
-                      self.sampling, record.group_id, record.budget, self.agent_path, self.screen_samples, self.filter,
+                      {**self.sampling, "seed": record.seed}, record.group_id, record.budget, self.agent_path, self.screen_samples, self.filter,
                       None, prompt.get("prompt"))
         record.call = raising(call) if isinstance(call, Exception) else call  # a refused call: its engine died
         batch.watch(record)
@@ -303,10 +316,24 @@ class RolloutController:
         shape_rewards(group, record.budget, *self.overlong)
         scores = [ep.score for ep in group] + list(self.score_range or ())
         self.score_range = (min(scores), max(scores)) if scores else None
+        self.answers += len(group)
+        self.answers_empty += sum(1 for ep in group if _empty(ep))
         flat = batch.group_finished(record, group)
         self.groups_finished, self.groups_valid = self.groups_finished + 1, self.groups_valid + record.valid
         if self.on_group is not None:
             self.on_group(record.prompt, flat)
+
+    def never_varied(self) -> Optional[str]:
+        """What to tell a user whose run has never seen two scores differ (None when they have): nothing is learned,
+        and the likely causes."""
+        if self.score_range is None or self.score_range[0] != self.score_range[1]:
+            return None
+        what = (f"all {self.answers} answers were empty (the model wrote only its end token)"
+                if self.answers and self.answers_empty == self.answers else
+                f"all {self.answers} samples scored {self.score_range[0]:g}")
+        return (f"the scores have never varied in this run: {what}, so every advantage, loss and gradient is 0 and "
+                "nothing is learned; check the prompt template (--data.apply_chat_template, --data.input_template), "
+                "the labels (--data.label_key) and the reward")
 
     def _engine_died(self, engine: int, error: BaseException) -> None:
         self._last_engine_error = error

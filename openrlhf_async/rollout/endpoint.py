@@ -20,6 +20,7 @@ from typing import Optional
 
 from openrlhf_async.agent import EPISODE_FIELD  # the body field naming a request's episode
 from openrlhf_async.rollout.episode import Episode, sampled_logprobs
+from openrlhf_async.rollout.seeds import derive_seed
 
 # The open episode a request belongs to, set by the routing middleware for the request's task.
 _EPISODE = contextvars.ContextVar("openrlhf_async_episode", default=None)
@@ -60,6 +61,7 @@ class EpisodeCalls:
     closed: bool = False
     spent: bool = False  # a request was refused because the budget was spent
     used: int = 0  # response tokens of the calls so far: what the model wrote, and the tokens between its turns
+    requests: int = 0  # requests sent to vLLM so far: each its own sampling seed
 
     def check(self, body: dict) -> None:
         """Refuse a request body that sets what the run fixes (see NEUTRAL)."""
@@ -158,6 +160,9 @@ class _Recorder:
             raise EpisodeRequestError(f"the episode's token budget ({episode.budget} response tokens, "
                                       "--rollout.max_new_tokens) is spent")
         sampling_params.max_tokens = min(sampling_params.max_tokens or left, left)
+        if episode.sampling.get("seed") is not None:  # the agent's own seed, if any, gives way to the run's
+            sampling_params.seed = derive_seed(episode.sampling["seed"], "turn", episode.requests)
+        episode.requests += 1
         episode.in_flight.add(request_id)
         try:
             final, versions = await self._actor.request(prompt, sampling_params, request_id, episode.group_id,

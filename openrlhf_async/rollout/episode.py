@@ -15,6 +15,7 @@ from typing import Optional
 
 from openrlhf_async.reward.sources import RewardError, RewardTimeout, check_reward, log_number
 from openrlhf_async.rollout.filter import GroupFilter
+from openrlhf_async.rollout.seeds import derive_seed, seeded
 
 # An observation is cut to this many characters per token of budget left before it is tokenised: far more than
 # tokens of real text hold, so the tokens kept are the same, and a huge observation is never tokenised whole.
@@ -140,8 +141,8 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
             ep.finish_reason = "length"
             break
         max_tokens = min(sampling.get("max_tokens", remaining), remaining)
-        out = await generate(ep.prompt_ids + ep.response_ids, {**sampling, "max_tokens": max_tokens},
-                             f"{request_id}-t{ep.turns}")
+        out = await generate(ep.prompt_ids + ep.response_ids,
+                             {**seeded(sampling, "turn", ep.turns), "max_tokens": max_tokens}, f"{request_id}-t{ep.turns}")
         _append_action(ep, out)
         if out["finish_reason"] == "abort":
             ep.aborted = True
@@ -232,8 +233,8 @@ class EngineAdapter:
     another event loop (OpenRLHF's OpenAI-server executor serves its app with uvicorn in a thread of its own) is run
     on the engine's loop."""
 
-    def __init__(self, request, request_id: str):
-        self._request, self._request_id, self.calls = request, request_id, []
+    def __init__(self, request, request_id: str, seed: Optional[int] = None):
+        self._request, self._request_id, self.calls, self._seed = request, request_id, [], seed
         self._loop = asyncio.get_running_loop()
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs):
@@ -241,6 +242,9 @@ class EngineAdapter:
             future = asyncio.run_coroutine_threadsafe(self.generate(prompt_token_ids, sampling_params), self._loop)
             return await asyncio.wrap_future(future)
         sampling_params.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
+        if self._seed is not None:  # the executor's params may be one object for every turn: each turn's seed apart
+            sampling_params = sampling_params.clone()
+            sampling_params.seed = derive_seed(self._seed, "turn", len(self.calls))
         output, versions = await self._request(list(prompt_token_ids), sampling_params,
                                                f"{self._request_id}-t{len(self.calls)}")
         completion = output.outputs[0]
@@ -258,7 +262,7 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
     through this episode's engine adapter; an executor that keeps the adapter of its first episode for all (OpenRLHF's
     OpenAI-server executor starts its server once) gives the others' tokens `version`, the engine's at the start."""
     ep = Episode(request_id, list(prompt_ids))
-    engine = EngineAdapter(request, request_id)
+    engine = EngineAdapter(request, request_id, sampling_params.seed)
     prompt = tokenizer.decode(prompt_ids)
     try:
         out = await agent.executor.execute(prompt, label, sampling_params, len(prompt_ids) + budget, tokenizer, engine)

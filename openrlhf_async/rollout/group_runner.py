@@ -11,6 +11,7 @@ import asyncio
 
 from openrlhf_async.rollout.episode import ChatTurn, Episode, run_episode, run_executor_episode, run_group
 from openrlhf_async.rollout.filter import GroupFilter
+from openrlhf_async.rollout.seeds import seeded
 
 
 class GroupRunner:
@@ -71,22 +72,23 @@ class GroupRunner:
         endpoint = await engine.endpoint(getattr(agent, "needs_network", False)) if agent.kind == "openai" else None
 
         def episode(i: int):
+            sampling_i = seeded(sampling, "sample", i)
             if agent.kind == "openai":
                 from openrlhf_async.rollout.endpoint import run_openai_episode
 
                 ep = run_openai_episode(endpoint, agent, tokenizer.decode(prompt_ids) if prompt is None else prompt,
-                                        label, sampling, budgets[i], self.agent_step_timeout * self.agent_max_steps,
+                                        label, sampling_i, budgets[i], self.agent_step_timeout * self.agent_max_steps,
                                         f"{group_id}-{i}", group_id)
             elif agent.kind == "executor":
                 from vllm import SamplingParams
 
                 ep = run_executor_episode(
                     lambda ids, params, rid: engine.request(ids, params, rid, group_id), agent, tokenizer,
-                    prompt_ids, label, SamplingParams(logprobs=0, **sampling), budgets[i], f"{group_id}-{i}",
+                    prompt_ids, label, SamplingParams(logprobs=0, **sampling_i), budgets[i], f"{group_id}-{i}",
                     getattr(engine, "weight_version", 0))
             else:
                 ep = run_episode(lambda ids, smp, rid: engine.generate(ids, smp, rid, group_id), agent, tokenizer,
-                                 prompt_ids, label, sampling, budgets[i], self.agent_max_steps,
+                                 prompt_ids, label, sampling_i, budgets[i], self.agent_max_steps,
                                  self.agent_step_timeout, f"{group_id}-{i}", self.chat_turn)
             return ep if reward is None else rescored(ep, reward, tokenizer, prompt_text, label)
 

@@ -233,7 +233,8 @@ class GenerateSamplesActor:
                     if not _put(self.queue, item, self.stopped):
                         return {"items": index, "stopped": True}
             _put(self.queue, END, self.stopped)
-            return {"items": num_items, "idle_ratio": self.timeline.idle_ratio(start)}
+            return {"items": num_items, "idle_ratio": self.timeline.idle_ratio(start),
+                    "never_varied": self.controller.never_varied()}
         finally:
             self.controller.close()  # groups still running will never be used
 
@@ -599,6 +600,8 @@ class PPOTrainerAsync:
         if summary.get("stopped"):
             raise RuntimeError("the trainer was stopped before it finished")
         summary["generator_idle_ratio"] = (generator_result or {}).get("idle_ratio")
+        if (generator_result or {}).get("never_varied"):
+            print(f"warning: {generator_result['never_varied']}", flush=True)
         if summary["stopped_early"]:
             print(f"the run ends before step {summary['stopped_early']['step']} of {self.cfg.train.max_steps}: "
                   f"{summary['stopped_early']['reason']}", flush=True)
