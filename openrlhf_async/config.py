@@ -7,6 +7,7 @@ and default there; the project's presets (`openrlhf_async/presets/*.args`) set w
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import shlex
@@ -1058,27 +1059,40 @@ def env_int(name: str, flag: str, default: int) -> int:
 
 
 def validate(cfg: Config) -> Config:
-    """Check every setting before any actor starts; raise ConfigError naming the flag and the fix. Settings that
-    follow from others (the mode, a lone correction threshold) are resolved here, once."""
+    """Check every setting before any actor starts; raise ConfigError naming the flag and the fix, one line per
+    refusal, all of a command line's refusals at once. Settings that follow from others (the mode, a lone correction
+    threshold) are resolved here, once."""
     requested_device, cfg.device = cfg.device, resolve_device(cfg.device)
-    _validate_environment(requested_device, cfg)
+    _validate_environment(requested_device, cfg)  # a bad device or override stops here: the checks below read it
+    _validate_settings(cfg)  # so does a value out of its range (each one said): the checks below compare the values
+    _validate_mode(cfg)  # and a contradicting mode: the checks below read the mode it resolves
+    refuse_together(*(functools.partial(check, cfg) for check in (
+        _validate_run_name, _validate_openrlhf_support, _validate_layout, _validate_queue, _validate_rollout,
+        _validate_colocation, _validate_algo, _validate_model, _validate_deepspeed, _validate_lora,
+        _validate_reward_and_eval, _validate_pipeline, _validate_logger)))
+    return cfg
+
+
+def refuse_together(*checks) -> None:
+    """Run each check (a callable of no arguments) and raise one ConfigError of all their refusals, one a line in
+    their order, each once: a command line's faults are said in one go, not one per rerun."""
+    refusals = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as e:
+            # two checks reading one bad value (an environment override) say it once
+            refusals += [line for line in str(e).splitlines() if line not in refusals]
+    if refusals:
+        raise ConfigError("\n".join(refusals))
+
+
+def _validate_run_name(cfg: Config) -> None:
     if cfg.run_name in ("", ".", "..") or any(c in cfg.run_name for c in "/\\\0"):
         raise ConfigError(f"--run_name {cfg.run_name!r}: give a plain folder name (no path separators, not . or ..)")
     if cfg.overwrite and cfg.ckpt.load_enable:
         raise ConfigError("--overwrite deletes the earlier run's records and --ckpt.load_enable continues them: pass "
                           "one of the two")
-    _validate_settings(cfg)
-    _validate_openrlhf_support(cfg)
-    _validate_mode(cfg)
-    _validate_rollout(cfg)
-    _validate_algo(cfg)
-    _validate_model(cfg)
-    _validate_deepspeed(cfg)
-    _validate_lora(cfg)
-    _validate_reward_and_eval(cfg)
-    _validate_pipeline(cfg)
-    _validate_logger(cfg)
-    return cfg
 
 
 def _validate_environment(requested_device: str, cfg: Config) -> None:
@@ -1100,28 +1114,32 @@ def _shown(value) -> str:
 
 def _validate_settings(cfg: Config) -> None:
     """Each setting on its own: its choices (argparse checks them for flags; a Config built in code too), a float's
-    finiteness, and its range. None (an optional setting left out) passes."""
-    for flag, (name, f) in settings().items():
-        value, choices, rng = _get(cfg, name), f.metadata["choices"], f.metadata["range"]
-        if value is None:
-            continue
-        values = value if isinstance(value, tuple) else (value,)
-        if choices and value not in choices:
-            *others, last = [str(c) for c in choices if c != ""]
-            raise ConfigError(f"--{flag} {value!r}: use {', '.join(others)} or {last}")
-        if not all(math.isfinite(v) for v in values if isinstance(v, float)) and f.default != math.inf:
-            raise ConfigError(f"--{flag} {_shown(value)}: must be a finite number")
-        if rng in _PAIR and not _PAIR[rng][0](*values):
-            raise ConfigError(f"--{flag} {_shown(value)}: {_PAIR[rng][1]}")
-        if rng in _EACH and not all(_EACH[rng][0](v) for v in values):
-            raise ConfigError(f"--{flag} {_shown(value)}: {'each ' if len(values) > 1 else ''}{_EACH[rng][1]}")
-        low, high = _bounds(f)
-        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if f.default != math.inf and any(v > high for v in numbers):
-            unit = " seconds (a week)" if high == WEEK_S and rng == "> 0 s" else ""
-            raise ConfigError(f"--{flag} {_shown(value)}: must be at most {_number(high)}{unit}")
-        if any(v < low for v in numbers):
-            raise ConfigError(f"--{flag} {_shown(value)}: must be at least {_number(low)}")
+    finiteness, and its range, each bad setting a line. None (an optional setting left out) passes."""
+    refuse_together(*(functools.partial(_validate_setting, flag, _get(cfg, name), f)
+                      for flag, (name, f) in settings().items()))
+
+
+def _validate_setting(flag: str, value, f) -> None:
+    choices, rng = f.metadata["choices"], f.metadata["range"]
+    if value is None:
+        return
+    values = value if isinstance(value, tuple) else (value,)
+    if choices and value not in choices:
+        *others, last = [str(c) for c in choices if c != ""]
+        raise ConfigError(f"--{flag} {value!r}: use {', '.join(others)} or {last}")
+    if not all(math.isfinite(v) for v in values if isinstance(v, float)) and f.default != math.inf:
+        raise ConfigError(f"--{flag} {_shown(value)}: must be a finite number")
+    if rng in _PAIR and not _PAIR[rng][0](*values):
+        raise ConfigError(f"--{flag} {_shown(value)}: {_PAIR[rng][1]}")
+    if rng in _EACH and not all(_EACH[rng][0](v) for v in values):
+        raise ConfigError(f"--{flag} {_shown(value)}: {'each ' if len(values) > 1 else ''}{_EACH[rng][1]}")
+    low, high = _bounds(f)
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if f.default != math.inf and any(v > high for v in numbers):
+        unit = " seconds (a week)" if high == WEEK_S and rng == "> 0 s" else ""
+        raise ConfigError(f"--{flag} {_shown(value)}: must be at most {_number(high)}{unit}")
+    if any(v < low for v in numbers):
+        raise ConfigError(f"--{flag} {_shown(value)}: must be at least {_number(low)}")
 
 
 def _number(x) -> str:
@@ -1198,13 +1216,15 @@ def _validate_mode(cfg: Config) -> None:
         raise ConfigError("--train.partial_rollout_enable needs --mode fully_async (streaming groups continued "
                           "across weight syncs), not --mode async")
     t.async_enable = cfg.mode != "sync"
-    _validate_layout(cfg)
     if t.dynamic_batch_enable:  # as OpenRLHF: token budgets pack their samples, and the log-prob passes share one
         if not cfg.ds.packing_samples:
             notice("--train.dynamic_batch_enable turns on --ds.packing_samples, as in OpenRLHF")
             cfg.ds.packing_samples = True
         if cfg.rollout.max_tokens_per_gpu is None:
             cfg.rollout.max_tokens_per_gpu = t.max_tokens_per_gpu
+
+
+def _validate_queue(cfg: Config) -> None:
     if cfg.queue_size < 1:
         raise ConfigError(f"--train.async_queue_size {cfg.queue_size} (or OPENRLHF_ASYNC_QUEUE_SIZE): must be at "
                           "least 1")
@@ -1337,7 +1357,6 @@ def _validate_algo(cfg: Config) -> None:
             flags = ", ".join("--critic." + name.replace("adam_", "adam.").replace("muon_", "muon.") for name in changed)
             notice(f"{flags} {'has' if len(changed) == 1 else 'have'} no effect without --algo.advantage.estimator gae "
                    f"(no critic is trained with {a.advantage_estimator})")
-    _validate_colocation(cfg)
     if a.advantage_estimator in _GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"--algo.advantage.estimator {a.advantage_estimator} compares a prompt's samples with each "
                           f"other: --rollout.n_samples_per_prompt must be at least 2 (got {n})")
@@ -1591,31 +1610,32 @@ def resolve_steps(cfg: Config, num_prompts: int) -> None:
 def check_local_cores(cfg: Config) -> None:
     """On cpu, a run that starts its own Ray (no RAY_ADDRESS, none running in this process) has this machine's cores:
     each trainer rank is a busy process and needs one (64 ranks on 2 cores never finish a step), and the engines take
-    --vllm.cpus_per_engine each. A cluster's room is Ray's to give (cuda: check_cluster at start)."""
+    --vllm.cpus_per_engine each. A cluster's room is Ray's to give (cuda: check_cluster at start). Each role too
+    large is one line of the one ConfigError."""
     ray = sys.modules.get("ray")
     if cfg.device != "cpu" or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
         return
-    cores, a = os.cpu_count() or 1, cfg.actor
+    cores, a, c, r, refusals = os.cpu_count() or 1, cfg.actor, cfg.critic, cfg.reward, []
     if a.world_size > cores:
-        raise ConfigError(f"--actor.num_nodes {a.num_nodes} x --actor.num_gpus_per_node {a.num_gpus_per_node}: "
-                          f"{a.world_size} trainer ranks on cpu need a core each and this machine has {cores}; lower "
-                          "--actor.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
-    c = cfg.critic
+        refusals.append(f"--actor.num_nodes {a.num_nodes} x --actor.num_gpus_per_node {a.num_gpus_per_node}: "
+                        f"{a.world_size} trainer ranks on cpu need a core each and this machine has {cores}; lower "
+                        "--actor.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
     if cfg.algo.advantage_estimator == "gae" and c.world_size > cores:  # it trains between the policy's steps
-        raise ConfigError(f"--critic.num_nodes {c.num_nodes} x --critic.num_gpus_per_node {c.num_gpus_per_node}: "
-                          f"{c.world_size} critic ranks on cpu need a core each and this machine has {cores}; lower "
-                          "--critic.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
-    r = cfg.reward
+        refusals.append(f"--critic.num_nodes {c.num_nodes} x --critic.num_gpus_per_node {c.num_gpus_per_node}: "
+                        f"{c.world_size} critic ranks on cpu need a core each and this machine has {cores}; lower "
+                        "--critic.num_gpus_per_node, or run on a Ray cluster (RAY_ADDRESS)")
     if r.model_name_or_path and r.num_nodes * r.num_gpus_per_node > cores:
-        raise ConfigError(f"--reward.num_nodes {r.num_nodes} x --reward.num_gpus_per_node {r.num_gpus_per_node}: "
-                          f"{r.num_nodes * r.num_gpus_per_node} reward-model actors per model on cpu need a core each "
-                          f"and this machine has {cores}; lower --reward.num_gpus_per_node, or run on a Ray cluster "
-                          "(RAY_ADDRESS)")
+        refusals.append(f"--reward.num_nodes {r.num_nodes} x --reward.num_gpus_per_node {r.num_gpus_per_node}: "
+                        f"{r.num_nodes * r.num_gpus_per_node} reward-model actors per model on cpu need a core each "
+                        f"and this machine has {cores}; lower --reward.num_gpus_per_node, or run on a Ray cluster "
+                        "(RAY_ADDRESS)")
     engine_cores = cfg.num_engines * cfg.vllm.cpus_per_engine
     if engine_cores > cores:
-        raise ConfigError(f"--vllm.num_engines {cfg.num_engines} x --vllm.cpus_per_engine "
-                          f"{cfg.vllm.cpus_per_engine:g}: {engine_cores:g} cores and this machine has {cores}; lower "
-                          "them, or run on a Ray cluster (RAY_ADDRESS)")
+        refusals.append(f"--vllm.num_engines {cfg.num_engines} x --vllm.cpus_per_engine "
+                        f"{cfg.vllm.cpus_per_engine:g}: {engine_cores:g} cores and this machine has {cores}; lower "
+                        "them, or run on a Ray cluster (RAY_ADDRESS)")
+    if refusals:
+        raise ConfigError("\n".join(refusals))
 
 
 def config_with(cfg, **sections):

@@ -5,7 +5,8 @@ import sys
 
 
 class ConfigError(ValueError):
-    """A bad flag, file or field; the message is one line naming it and the fix."""
+    """A bad flag, file or field; the message is one line naming it and the fix (a line per refusal when a command
+    line has several: config.refuse_together)."""
 
 
 def notice(message: str) -> None:

@@ -16,16 +16,16 @@ def prepare(cfg):
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
     from openrlhf_async.config import (ConfigError, check_local_cores, default_cache_dir, is_gguf, notice,
-                                       openrlhf_differences, resolve_steps, to_dict, validate)
+                                       openrlhf_differences, refuse_together, resolve_steps, to_dict, validate)
     from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
     from openrlhf_async.trainer import memory_plan
     from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
     from openrlhf_async.utils import run_folder
     from openrlhf_async.utils.user_files import check_user_file
 
-    validate(cfg)
+    # On cpu without a Ray cluster, the ranks need this machine's cores; their refusals come with the flags' own.
+    refuse_together(lambda: validate(cfg), lambda: check_local_cores(cfg))
     differences = openrlhf_differences(cfg)  # said once everything is checked, so that an error stands alone
-    check_local_cores(cfg)  # on cpu without a Ray cluster, the ranks need this machine's cores
     run_folder.check_folders(cfg)  # a folder the run cannot write fails now, not after training
     run_folder.check_build_locks()  # a killed op build's lock would stall the trainer ranks for ever
     # One run per run folder: a real start holds its lock from here (before its records are read or deleted) to the
@@ -60,6 +60,12 @@ def prepare(cfg):
     except (AgentFileError, RewardFileError) as e:
         raise ConfigError(str(e)) from None
     given = cfg.data.prompt_dataset, cfg.eval.dataset
+    builtin_task = not (given[0] or cfg.data.reasoning_gym or verifiers_env is not None)
+    if builtin_task and not cfg.actor.model_name_or_path and not cfg.data.apply_chat_template:
+        # OpenRLHF's default (off) is for datasets of raw prompts; the embedded model only answers in its template.
+        cfg.data.apply_chat_template = True
+        notice("--data.apply_chat_template is off (OpenRLHF's default), but the embedded tiny model was trained on "
+               "its chat template: the built-in task's prompts are formatted with it")
     # The built-in task is written where the run keeps it; a dry run's copy goes with its temporary folder.
     with (tempfile.TemporaryDirectory() if cfg.dry_run else
           contextlib.nullcontext(os.path.join(cfg.run_dir, "data"))) as builtin_dir:
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
         cfg = parse_config(argv)
         model_path, train_rows, eval_rows, resume = prepare(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)  # a refusal a line
         return 2
     except ModuleNotFoundError as e:  # this environment lacks a package the project needs
         return missing_package(e)
