@@ -146,3 +146,47 @@ def test_vllm_greedy_matches_hf(model_dir):
         hf_ids = hf_ids[: hf_ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in hf_ids else hf_ids
         assert ids == hf_ids
         assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_embedded_models_are_the_shipped_bytes_and_a_changed_copy_is_refused(tmp_path, monkeypatch):
+    from openrlhf_async.errors import ConfigError
+    from openrlhf_async.models import tiny
+    from openrlhf_async.models.tiny import EMBEDDED_DIGESTS, build_tiny_reward_model, folder_digest
+
+    # The defaults are the shipped files, whatever the cache: nothing is trained on this machine.
+    assert build_tiny_model(str(tmp_path / "cache")) == os.path.join(tiny.EMBEDDED_DIR, "tiny-qwen2")
+    assert build_tiny_reward_model(str(tmp_path / "cache")) == os.path.join(tiny.EMBEDDED_DIR, "tiny-qwen2-rm")
+    assert not (tmp_path / "cache").exists()
+    assert EMBEDDED_DIGESTS == {
+        "tiny-qwen2": "e5ed56e869df5845ff009f00624e2f35596485727d4fb4d25c05852965d7b519",
+        "tiny-qwen2-rm": "cb06b33f618a91b946c3446e8a854e1cd6f44e09517915364f46de4576fef542"}
+    for name, digest in EMBEDDED_DIGESTS.items():
+        assert folder_digest(os.path.join(tiny.EMBEDDED_DIR, name)) == digest
+    # A copy whose weights changed by one byte is refused in one line naming the folder and the fix.
+    import shutil
+
+    copy = tmp_path / "embedded"
+    shutil.copytree(tiny.EMBEDDED_DIR, copy)
+    weights = copy / "tiny-qwen2" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(tiny, "EMBEDDED_DIR", str(copy))
+    with pytest.raises(ConfigError) as refused:
+        build_tiny_model(str(tmp_path / "cache"))
+    message = str(refused.value)
+    assert "\n" not in message and str(copy / "tiny-qwen2") in message and "git checkout" in message
+    assert build_tiny_reward_model(str(tmp_path / "cache")) == str(copy / "tiny-qwen2-rm")  # untouched: still used
+
+
+def test_a_request_seed_depends_on_its_place_alone():
+    from openrlhf_async.rollout.seeds import derive_seed, seeded
+
+    # The same in every process (no salted hash) and on every machine: fixed values.
+    assert derive_seed(42, "position", 0) == 8301616619757517336
+    seeds = {derive_seed(s, "position", p) for s in (42, 43) for p in range(1000)}
+    assert len(seeds) == 2000
+    base = {"temperature": 1.0, "seed": 7}
+    assert seeded(base, "sample", 1) == {"temperature": 1.0, "seed": derive_seed(7, "sample", 1)}
+    assert seeded(base, "sample", 1) != seeded(base, "sample", 2) and base["seed"] == 7
+    assert seeded({"temperature": 1.0}, "sample", 1) == {"temperature": 1.0}  # no seed: vLLM's own

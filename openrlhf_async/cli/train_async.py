@@ -78,7 +78,7 @@ def prepare(cfg):
     model_path = cfg.actor.model_name_or_path
     if cfg.dry_run:
         cfg.data.prompt_dataset, cfg.eval.dataset = given  # the report shows the flags, not a deleted folder
-        return model_path or "embedded tiny model (built on first use)", train_rows, eval_rows, resume
+        return model_path or "embedded tiny model (shipped, sha256-checked)", train_rows, eval_rows, resume
     if cfg.overwrite:
         remove_records(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -87,7 +87,6 @@ def prepare(cfg):
     if not model_path:
         from openrlhf_async.models.tiny import build_tiny_model
 
-        print("building the embedded tiny model (cached after the first run) ...", flush=True)
         model_path = build_tiny_model(default_cache_dir(cfg))
     elif is_gguf(model_path):
         from openrlhf_async.models.gguf import hf_folder

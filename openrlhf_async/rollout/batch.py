@@ -324,7 +324,8 @@ class EarlyStop:
 
     def selected(self, batch: RolloutBatch) -> Optional[list]:
         valid = [r for r in batch.finished if r.valid]
-        return valid[: self.target] if len(valid) >= self.target else None
+        # in start order: a batch's order (its micro batches' sums) then does not depend on which finished first
+        return sorted(valid[: self.target], key=lambda r: r.index) if len(valid) >= self.target else None
 
     def cut(self, batch: RolloutBatch) -> Optional[int]:
         """The start index after which no group can enter the batch; None: any may."""

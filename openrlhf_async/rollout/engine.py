@@ -40,6 +40,7 @@ class LLMRayActorAsync:
         "cuda") whose trainer ranks this engine shares (the hybrid engine), else ""."""
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from openrlhf_async.rollout import weight_transfer
@@ -60,6 +61,10 @@ class LLMRayActorAsync:
             enable_prefix_caching=vllm.enable_prefix_caching,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             max_num_seqs=vllm.max_num_seqs,
+            # Every request is seeded (rollout/seeds.py), and vLLM rewinds a seeded request's generator after the
+            # sample of a prefill chunk it discards, which a CPU generator cannot do (RuntimeError "CPU Generator does
+            # not use offset", the engine dead): on cpu a prompt is prefilled whole.
+            enable_chunked_prefill=not current_platform.is_cpu(),
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
             # Importing the extension registers this project's weight-transfer engine in the worker, which builds
             # the one named here: the weights come through vLLM's update API, which keeps their version.
