@@ -9,6 +9,7 @@ import shutil
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from conftest import free_port, preset_config, unfinished, user_file
 from openrlhf_async.models.tiny import ASSISTANT, EOS, USER
@@ -220,17 +221,89 @@ def test_an_agent_that_spends_its_budget_ends_truncated_within_it(tool_engine, t
     assert [len(p["response_ids"]) for p in parts] == [50, 10]  # the third call is refused: nothing was left
 
 
-def test_the_endpoint_listens_on_its_port_for_agents_elsewhere(tool_engine):
+# Holds its episode open until the test has tried its attacks, and makes its own call on either side of them.
+HELD_AGENT = r'''
+import asyncio, os
+
+async def run(client, model, prompt, label, **info):
+    flag = os.environ["HELD_AGENT_FLAG"]
+    await client.completions.create(model=model, prompt=prompt, max_tokens=4)
+    open(flag + ".open", "w").close()
+    for _ in range(1200):
+        if os.path.exists(flag):
+            break
+        await asyncio.sleep(0.05)
+    await client.completions.create(model=model, prompt=prompt, max_tokens=4)
+    return 1.0
+'''
+
+# vLLM's routes beyond what an agent needs, as `vllm serve` mounts them (0.29).
+OTHER_ROUTES = ["/metrics", "/docs", "/openapi.json", "/health", "/version", "/invocations", "/inference/v1/generate",
+                "/v1/messages", "/v1/responses", "/scale_elastic_ep", "/is_scaling_elastic_ep", "/tokenize",
+                "/detokenize", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                "/v1/audio/transcriptions", "/ping", "/load", "/server_info", "/reset_prefix_cache", "/sleep",
+                "/wake_up", "/collective_rpc", "/v1/load_lora_adapter"]
+
+
+def test_the_endpoint_serves_only_the_runs_own_agents(tool_engine, tool_model, tmp_path, monkeypatch):
+    """An outsider on the machine that guesses episode keys, probes them and posts to every route gets the same 404
+    and puts nothing into any episode, while the episode's own agent is served as before."""
+    import concurrent.futures
+    import os
+
     import httpx
     import ray
 
     url = ray.get(tool_engine.openai_base_url.remote())
+    token = ray.get(tool_engine.__ray_call__.remote(lambda actor: actor._endpoint.token))
+    root = url[: -len("/v1")]
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
-    assert [m["id"] for m in httpx.get(url + "/models").json()["data"]] == ["policy"]
-    # An episode's address is open only while the episode runs.
-    closed = httpx.post(url.replace("/v1", "/episodes/g9-0/v1") + "/chat/completions",
-                        json={"model": "policy", "messages": [{"role": "user", "content": "1+1="}]})
-    assert closed.status_code == 404 and "no open episode 'g9-0'" in closed.json()["error"]["message"]
+    # The run's own credential serves the model list; nothing else does.
+    assert httpx.get(url + "/models").status_code == 404
+    assert httpx.get(url + "/models", headers={"Authorization": "Bearer guess"}).status_code == 404
+    authorised = httpx.get(url + "/models", headers={"Authorization": f"Bearer {token}"})
+    assert [m["id"] for m in authorised.json()["data"]] == ["policy"]
+
+    flag = str(tmp_path / "attacked")
+    ray.get(tool_engine.__ray_call__.remote(lambda actor: os.environ.__setitem__("HELD_AGENT_FLAG", flag)))
+    agent = user_file(tmp_path, "held_agent.py", HELD_AGENT)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_group, tool_engine, tool_model, agent, "2+2=", "4", 2, 120, "g0")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(flag + ".open"):
+            assert time.monotonic() < deadline and not running.done(), "the agent never opened its episode"
+            time.sleep(0.05)
+        keys = ray.get(tool_engine.__ray_call__.remote(lambda actor: list(actor._endpoint.episodes)))
+        assert len(keys) == 2 and all(len(k) >= 24 for k in keys)
+        answers = []
+        injected = {"model": "policy", "prompt": "OUTSIDER~INJECTED~1+1=", "max_tokens": 4}
+        # Guessing keys as they were once made (g<k>-<i>), and probing with a refused setting, which an open episode
+        # once answered with 400 and a closed one with 404.
+        for guess in [f"g{k}-{i}" for k in range(5) for i in range(2)] + ["g0", "policy", keys[0][:-1] + "x"]:
+            for body in (injected, {**injected, "temperature": 0.01}):
+                answers.append(httpx.post(f"{root}/episodes/{guess}/v1/completions", json=body))
+                answers.append(httpx.post(f"{url}/completions", json={**body, "openrlhf_episode": guess}))
+        # Every other route, bare, under an open episode's key, and with the run's token: not mounted.
+        for route in OTHER_ROUTES:
+            for prefix in ("", f"/episodes/{keys[0]}"):
+                answers.append(httpx.post(root + prefix + route, json=injected))
+                answers.append(httpx.get(root + prefix + route))
+            answers.append(httpx.post(root + route, json=injected, headers={"Authorization": f"Bearer {token}"}))
+        assert {a.status_code for a in answers} == {404} and len({a.content for a in answers}) == 1
+        # Inside the episode the sampling check holds on every sampling route, logit_bias and penalties included.
+        for path, body in (("/v1/completions", {**injected, "logit_bias": {"20": 100}}),
+                           ("/v1/chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "x"}],
+                                                     "repetition_penalty": 2.0}),
+                           ("/v1/completions", {**injected, "n": 2})):
+            assert httpx.post(f"{root}/episodes/{keys[0]}{path}", json=body).status_code == 400
+        open(flag, "w").close()
+        episodes = running.result(timeout=120)
+    for ep in episodes:  # the agent's own two calls, and nothing of the outsider's
+        assert ep.error is None and ep.raw_reward == 1.0 and ep.turns == 2
+        assert "OUTSIDER" not in AutoTokenizer.from_pretrained(tool_model).decode(ep.prompt_ids + ep.response_ids)
+    # Closed now: its key is as unknown as any other.
+    closed = httpx.post(f"{root}/episodes/{keys[0]}/v1/completions", json=injected)
+    assert closed.status_code == 404 and closed.content == answers[0].content
 
 
 def test_episode_records_are_one_sequence_while_prompts_extend_and_segments_where_they_do_not():

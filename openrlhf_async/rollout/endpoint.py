@@ -9,12 +9,22 @@ may not change (the trainer scores every token at the run's temperature) are ref
 
 An agent in the engine's process reaches the endpoint without a network hop: its `openai.AsyncOpenAI` client talks
 to the app through httpx's ASGI transport, in the agent's own task, so cancelling the episode (early stop) cancels
-its request and vLLM aborts it. With --agent.openai_port the same app also listens on the network (uvicorn)."""
+its request and vLLM aborts it. With --agent.openai_port (and for a verifiers environment, whose proxy forwards over
+HTTP) the same app also listens on the network (uvicorn, on loopback by default).
 
+What it trusts (docs/SANDBOX.md): a request is served only with a credential. An episode's key is random (144 bits,
+not derived from anything a caller can see) and is the episode's credential: `/episodes/<key>/...` (or, with the run's
+credential, the key in the body's EPISODE_FIELD). The run's credential (a random bearer token per endpoint, known to
+the engine's process alone) serves a request outside any episode. Only the routes an agent needs are mounted (chat and
+text completions, the model list), both sampling routes are checked the same way, and a request without a credential,
+with a wrong one, or for an episode that is closed or never was gets the same 404."""
+
+import asyncio
 import contextvars
 import json
 import math
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,17 +36,29 @@ from openrlhf_async.rollout.seeds import derive_seed
 _EPISODE = contextvars.ContextVar("openrlhf_async_episode", default=None)
 _EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.\-]+)(/.*)$")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+ROUTES = (*COMPLETION_PATHS, "/v1/models")  # all an agent needs; vLLM's other routes (admin, metrics, ...) are not served
 MODEL_NAME = "policy"  # the name agents pass as `model` (the served model's name)
+MAX_BODY_BYTES = 16 << 20  # a completion request's body (a long conversation is a few MB)
+BODY_TIMEOUT_S = 30.0  # for the body to arrive, once the headers have
+NOT_FOUND = "not found: no such route, or no open episode of this key"
 
 # What a request may not change beside temperature and top_p, as {field: its allowed values}: the trainer scores every
 # token with the run's temperature and top_p and no other filter, so a token sampled otherwise would be trained on the
 # log-probs of another distribution. A field left out of the request takes the run's value.
 NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
-           "frequency_penalty": (0.0,), "n": (1,)}
+           "frequency_penalty": (0.0,), "n": (1,), "best_of": (1,), "min_tokens": (0,)}
+# What reshapes the distribution sampled from and must be absent (or empty): biased, allowed-only or banned tokens,
+# beam search. Constrained decoding (structured_outputs, a tool call's form) stays allowed: agents need it, and the
+# rollout log-probs it reports are of the constrained distribution, which the importance correction weighs.
+RESHAPING = ("logit_bias", "allowed_token_ids", "bad_words", "use_beam_search")
 
 
 class EpisodeRequestError(ValueError):
     """A request an episode may not make (its message is the HTTP 400's)."""
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot serve (its port cannot be bound); one line naming the flags."""
 
 
 @dataclass
@@ -51,7 +73,9 @@ class Call:
 
 @dataclass
 class EpisodeCalls:
-    """An open episode: where its requests go (group_id, for early stop), what they may use, what they made."""
+    """An open episode: its key (its credential), where its requests go (group_id, for early stop), what they may
+    use, what they made."""
+    key: str
     group_id: str
     budget: int  # response tokens (the model's and the environment's) the episode may use in all
     sampling: dict  # the run's sampling for this episode (temperature, top_p)
@@ -75,6 +99,10 @@ class EpisodeCalls:
                 raise EpisodeRequestError(
                     f"{key}={value!r} is refused in a training episode: the run samples and trains with "
                     f"{key}={allowed[0]!r} (--rollout flags); leave it out or pass that value")
+        for key in RESHAPING:
+            if body.get(key) not in (None, False, {}, []):
+                raise EpisodeRequestError(f"{key} is refused in a training episode: the trainer scores each token "
+                                          "on the model's own distribution; leave it out")
 
     def between(self, prompt_ids: list) -> int:
         """The tokens a call with this prompt adds between the last call's completion and its own (0 when it starts
@@ -177,39 +205,57 @@ class _Recorder:
 
 
 class _Routes:
-    """ASGI middleware: `/episodes/<key>/...` is the app's `/...` within episode <key> (its requests recorded, their
-    sampling checked); other paths go to the app as they are."""
+    """ASGI middleware in front of vLLM's app: serves a request only with a credential (see the module's docstring)
+    and only on ROUTES. `/episodes/<key>/...` is the app's `/...` within episode <key> (its requests recorded, their
+    sampling checked)."""
 
-    def __init__(self, app, episodes: dict):
+    def __init__(self, app, episodes: dict, token: str):
         self.app, self.episodes = app, episodes
+        self.bearer = f"Bearer {token}".encode()
 
     async def __call__(self, scope, receive, send):
-        episode = key = request = None
-        if scope["type"] == "http":
-            match = _EPISODE_PATH.match(scope["path"])
-            if match:
-                key = match.group(1)
-                scope = {**scope, "path": match.group(2), "raw_path": match.group(2).encode()}
-            if scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-                body = await _read_body(receive)
-                try:
-                    request = json.loads(body or b"{}")
-                except ValueError:
-                    pass  # vLLM answers it
-                if not isinstance(request, dict):
-                    request = {}
-                elif EPISODE_FIELD in request:
-                    key = key or str(request.pop(EPISODE_FIELD))
-                    body = json.dumps(request).encode()
-                receive = _replay(body, receive)
-            if key is not None:
-                episode = self.episodes.get(key)
-                if episode is None:
-                    return await _error(send, 404, f"no open episode {key!r} on this engine")
-                try:
-                    episode.check(request or {})
-                except EpisodeRequestError as e:
-                    return await _error(send, 400, str(e))
+        if scope["type"] != "http":  # lifespan is off; websockets are not served
+            return
+        key, path = None, scope["path"]
+        match = _EPISODE_PATH.match(path)
+        if match:
+            key, path = match.group(1), match.group(2)
+            scope = {**scope, "path": path, "raw_path": path.encode()}
+        trusted = secrets.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.bearer)
+        completion = scope["method"] == "POST" and path in COMPLETION_PATHS
+        # Nothing is said about a request before its credential holds: an episode key that is wrong, closed or unknown,
+        # a missing token and an unserved route all answer the same. (A completion's body may carry its episode's key,
+        # so it is read first, bounded in size and time.)
+        if path not in ROUTES or (key is not None and key not in self.episodes) or not (key or trusted or completion):
+            return await _error(send, 404, NOT_FOUND)
+        request = None
+        if completion:
+            try:
+                body = await asyncio.wait_for(_read_body(receive), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+            except BodyTooLarge:
+                return await _error(send, 413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+            try:
+                request = json.loads(body or b"{}")
+            except (ValueError, RecursionError):
+                pass  # vLLM answers it
+            if not isinstance(request, dict):
+                request = {}
+            elif EPISODE_FIELD in request:
+                key = key or str(request.pop(EPISODE_FIELD))
+                body = json.dumps(request).encode()
+            if key is None and not trusted:
+                return await _error(send, 404, NOT_FOUND)
+            receive = _replay(body, receive)
+        episode = None if key is None else self.episodes.get(key)
+        if key is not None and episode is None:  # unknown, or closed while its body arrived
+            return await _error(send, 404, NOT_FOUND)
+        if episode is not None:
+            try:
+                episode.check(request or {})
+            except EpisodeRequestError as e:
+                return await _error(send, 400, str(e))
         token = _EPISODE.set(episode)
         try:
             await self.app(scope, receive, send)
@@ -217,13 +263,22 @@ class _Routes:
             _EPISODE.reset(token)
 
 
+class BodyTooLarge(Exception):
+    pass
+
+
 async def _read_body(receive) -> bytes:
-    body, more = b"", True
+    """The request's body, in linear time, up to MAX_BODY_BYTES."""
+    chunks, size, more = [], 0, True
     while more:
         message = await receive()
-        body += message.get("body", b"")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge()
+        chunks.append(chunk)
         more = message.get("more_body", False)
-    return body
+    return b"".join(chunks)
 
 
 def _replay(body: bytes, receive):
@@ -242,8 +297,8 @@ def _replay(body: bytes, receive):
 
 
 async def _error(send, status: int, message: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": "BadRequestError" if status == 400 else "NotFound",
-                                    "code": status}}).encode()
+    kind = {400: "BadRequestError", 404: "NotFound", 408: "RequestTimeout", 413: "RequestTooLarge"}[status]
+    payload = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
@@ -263,8 +318,9 @@ def serving_args(model_path: str, agent) -> list:
 class Endpoint:
     """The engine's OpenAI-compatible app, and the episodes open on it."""
 
-    def __init__(self, actor, app, episodes: dict, url: Optional[str] = None):
+    def __init__(self, actor, app, episodes: dict, token: str, url: Optional[str] = None):
         self.actor, self.app, self.episodes, self.url = actor, app, episodes, url
+        self.token = token  # the run's credential on this endpoint: requests outside any episode need it
         self.server = None
 
     @classmethod
@@ -281,34 +337,44 @@ class Endpoint:
         tasks = await actor.engine.get_supported_tasks()
         app = build_app(args, tasks, actor.engine.model_config)
         await init_app_state(client, app.state, args, tasks)
-        episodes = {}
-        endpoint = cls(actor, _Routes(app, episodes), episodes)
+        episodes, token = {}, secrets.token_urlsafe(32)
+        endpoint = cls(actor, _Routes(app, episodes, token), episodes, token)
         if agent.openai_port:
             await endpoint.listen(agent.openai_host, agent.openai_port + actor.engine_index)
         return endpoint
 
     async def listen(self, host: str, port: int = 0) -> None:
         """Serve the app on host:port too (uvicorn, on the engine's event loop); port 0: one the system picks."""
-        import asyncio
+        import socket
 
         import uvicorn
 
         if self.server is not None:
             return
+        # Bound here, not by uvicorn, whose bind error is a SystemExit that escapes the engine's event loop.
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except (OSError, OverflowError) as e:
+            sock.close()
+            raise EndpointError(f"--agent.openai_host {host} / --agent.openai_port: the OpenAI endpoint cannot listen "
+                                f"on {host}:{port} ({getattr(e, 'strerror', None) or e}); free the port or choose another") from None
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off")
+                                lifespan="off", timeout_keep_alive=5)
         self.server = uvicorn.Server(config)
-        serving = asyncio.ensure_future(self.server.serve())
+        serving = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
-            if serving.done():  # e.g. the port is taken: uvicorn logs why and exits
-                raise RuntimeError(f"the OpenAI endpoint could not listen on {host}:{port} (--agent.openai_host, "
-                                   "--agent.openai_port)")
+            if serving.done():
+                raise EndpointError(f"the OpenAI endpoint could not start on {host}:{port}: {serving.exception()}")
             await asyncio.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{host}:{port}"
+        port = sock.getsockname()[1]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
-    def open(self, key: str, group_id: str, budget: int, sampling: dict) -> EpisodeCalls:
-        episode = self.episodes[key] = EpisodeCalls(group_id, budget, sampling)
+    def open(self, group_id: str, budget: int, sampling: dict) -> EpisodeCalls:
+        """A new episode, under a key no one can guess (its credential)."""
+        key = secrets.token_urlsafe(18)
+        episode = self.episodes[key] = EpisodeCalls(key, group_id, budget, sampling)
         return episode
 
     async def close(self, key: str) -> Optional[EpisodeCalls]:
@@ -322,14 +388,15 @@ class Endpoint:
         return episode
 
     def client(self, key: Optional[str] = None, timeout: float = None):
-        """An `openai.AsyncOpenAI` bound to episode `key` (None: no episode), talking to the app in process."""
+        """An `openai.AsyncOpenAI` bound to episode `key` (None: no episode, with the run's credential), talking to the
+        app in process."""
         import httpx
         import openai
 
         base = "http://engine" + (f"/episodes/{key}" if key else "")
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url=base, timeout=timeout)
         # No retries: a refused or aborted request is the episode's answer, not a network hiccup.
-        return openai.AsyncOpenAI(base_url=base + "/v1", api_key="EMPTY", http_client=http, max_retries=0)
+        return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key or self.token, http_client=http, max_retries=0)
 
     def base_url(self, key: Optional[str] = None) -> Optional[str]:
         """The network address of the endpoint (of episode `key`), or None when it does not listen."""
@@ -344,17 +411,15 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     completions recorded on the endpoint and turned into the training record (episode_from_calls). An agent that
     raises or runs out of time gives its episode reward 0, counted; one whose group was aborted (early stop) comes
     back aborted; one that spent its token budget ends as truncated ("length")."""
-    import asyncio
-
     from openrlhf_async.reward.sources import RewardError, check_reward
 
-    calls = endpoint.open(request_id, group_id, budget, sampling)
-    client = endpoint.client(request_id)
+    calls = endpoint.open(group_id, budget, sampling)
+    client = endpoint.client(calls.key)
     reward = score = 0.0
     extra, error = {}, None
     try:
         result = await asyncio.wait_for(agent.run(client, MODEL_NAME, prompt, label, budget=budget,
-                                                  episode=request_id, base_url=endpoint.base_url(request_id)),
+                                                  episode=calls.key, base_url=endpoint.base_url(calls.key)),
                                         timeout)
         reward, score = check_reward(result.reward, "the agent's reward"), check_reward(result.score, "its score")
         extra = result.extra_info
@@ -365,7 +430,7 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     except Exception as e:  # the user's code, or a request the endpoint refused: contained, counted
         error = ("error", f"{type(e).__name__}: {e}")
     finally:
-        await endpoint.close(request_id)
+        await endpoint.close(calls.key)
         await client.close()
     ep = episode_from_calls(request_id, calls.calls)
     if calls.aborted or group_id in endpoint.actor.aborted_groups:

@@ -88,7 +88,9 @@ class LLMRayActorAsync:
         self._endpoint_lock = asyncio.Lock()
         self.runner = GroupRunner(agent, reward, self.tokenizer)
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
+        if self.agent_cfg.openai_port:  # an address fixed by the flags: one that cannot be bound stops the run now
+            await self.endpoint()
         return True
 
     async def endpoint(self, listen: bool = False):
