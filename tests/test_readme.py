@@ -19,7 +19,7 @@ FLAG_PAGE = "docs/FLAGS.md"
 README_MAX_LINES = 300
 # The project's other commands, whose flags the pages show too (benchmarks/*.py are added in known_flags).
 OTHER_COMMANDS = ("openrlhf_async/cli/prepare_data.py", "openrlhf_async/cli/reward_server.py",
-                  "openrlhf_async/cli/report.py")
+                  "openrlhf_async/cli/report.py", "openrlhf_async/models/tiny.py")
 # Flags of other tools in the pages' command lines: ray start / ray job submit, pip, tensorboard, hf download, pytest,
 # py-spy.
 OTHER_TOOLS = {"--head", "--address", "--runtime-env-json", "--dashboard-host", "--no-deps", "--logdir",
