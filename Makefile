@@ -67,10 +67,10 @@ smollm2-rl: install $(SMOLLM2_GGUF)
 
 # The suite without the runs marked long (about 26 minutes on 2 CPU cores); test-long runs those (about 50 minutes).
 test: install $(SMOLLM2_GGUF)
-	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -m "not long" --durations=15 tests
+	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -rfEs -m "not long" --durations=15 tests
 
 test-long: install $(SMOLLM2_GGUF)
-	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -m long --durations=15 tests
+	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -rfEs -m long --durations=15 tests
 
 # Whenever a GPU machine is at hand: `make gpu-check` runs the real trainer's ZeRO-3 step (NCCL, bf16, gradient
 # checkpointing, world size 1) on randomly initialised Qwen2.5-1.5B and Qwen2.5-7B shapes, checks that packed rows

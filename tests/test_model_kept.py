@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -46,17 +47,40 @@ def run_cli():
             proc.communicate(timeout=60)
 
 
+# Set to 1, the tests that need a file system mounted for them take the route of a machine that refuses them mounts
+# (as root, to check that route too).
+NO_MOUNT = "OPENRLHF_ASYNC_TEST_NO_MOUNT"
+
+
 @pytest.fixture
 def full_disk(tmp_path):
-    """A folder on a file system with room for a few files, not for a model."""
+    """A folder on a file system with room for a few files, not for a model, and the prefix a command needs to see
+    it there: none where this process may mount a tmpfs (root); else the command runs in a private mount namespace
+    where it mounts one itself (unshare -Urm: an unprivileged user namespace, in which it is root), and the folder
+    stays an empty folder outside. Where neither is allowed the test fails, saying so: it cannot check anything."""
     folder = tmp_path / "full_disk"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(folder)], capture_output=True,
-                             text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    yield folder
-    subprocess.run(["umount", "--lazy", str(folder)], check=True)  # lazy: a process left writing there is no error
+    mount = ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(folder)]
+    if os.environ.get(NO_MOUNT) == "1":
+        refused = f"not tried: {NO_MOUNT}=1"
+    else:
+        mounted = subprocess.run(mount, capture_output=True, text=True)
+        if not mounted.returncode:
+            yield folder, []
+            subprocess.run(["umount", "--lazy", str(folder)], check=True)  # lazy: a process left writing is no error
+            return
+        refused = mounted.stderr.strip()
+    prefix = ["unshare", "-Urm", "--", "sh", "-c", f'{shlex.join(mount)} && exec "$@"', "sh"]
+    # The namespace's file system is full where the command looks: 32 KiB do not fit in it.
+    probe = subprocess.run([*prefix, "sh", "-c", f"head -c 32768 /dev/zero > {shlex.quote(str(folder / 'probe'))}"],
+                           capture_output=True, text=True)
+    if "No space left on device" not in probe.stderr:
+        pytest.fail(f"no small file system for this test: mount -t tmpfs is refused ({refused}), and so is one in a "
+                    f"private mount namespace (unshare -Urm: exit {probe.returncode}, {probe.stderr.strip()!r}); run "
+                    "it as root, or where unprivileged user namespaces are allowed (sysctl user.max_user_namespaces, "
+                    "kernel.unprivileged_userns_clone, kernel.apparmor_restrict_unprivileged_userns)", pytrace=False)
+    assert not os.listdir(folder)  # outside the namespace the folder is the empty one made here
+    yield folder, prefix
 
 
 def _changed(model_dir, tiny_model_path) -> bool:
@@ -69,9 +93,10 @@ def _changed(model_dir, tiny_model_path) -> bool:
 def test_a_final_save_that_fails_keeps_the_model_in_the_run_folder_and_says_so(tmp_path, tiny_model_path, full_disk,
                                                                              run_cli):
     """The run trained to the end and stopped with OSError, keeping nothing."""
+    full_disk, prefix = full_disk
     run_dir = tmp_path / "runs" / "full"
-    proc = run_cli(_command(tmp_path, tiny_model_path, "--run_name", "full", "--train.max_steps", "2",
-                            "--ckpt.output_dir", str(full_disk)))
+    proc = run_cli([*prefix, *_command(tmp_path, tiny_model_path, "--run_name", "full", "--train.max_steps", "2",
+                                       "--ckpt.output_dir", str(full_disk))])
     out, err = proc.communicate(timeout=500)
     assert proc.returncode == 0, err[-3000:]
     kept = run_dir / "final_hf"

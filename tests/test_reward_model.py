@@ -1,6 +1,6 @@
-"""Reward models (--reward.model_name_or_path): a tiny one trained here to prefer right answers, scored by actors that
-batch the episodes arriving together, equal to a plain transformers forward of the same checkpoint, behind OpenRLHF's
-serve_rm protocol too; an actor that dies or hangs is a counted reward error."""
+"""Reward models (--reward.model_name_or_path): the tiny one the package ships, trained to prefer right answers,
+scored by actors that batch the episodes arriving together, equal to a plain transformers forward of the same
+checkpoint, behind OpenRLHF's serve_rm protocol too; an actor that dies or hangs is a counted reward error."""
 
 import asyncio
 import json
@@ -42,16 +42,20 @@ def _actor(path, normalize=True, micro_batch_size=64):
 def test_the_tiny_reward_model_prefers_the_right_answer_on_held_out_questions(tiny_reward_model):
     from transformers import AutoTokenizer
 
-    from openrlhf_async.data.synthetic import make_arithmetic_rows
+    from openrlhf_async.data.synthetic import make_arithmetic_rows, split_size
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model)
-    rows = make_arithmetic_rows(180, seed=1, split="eval")
+    rows = make_arithmetic_rows(split_size("eval"), seed=1, split="eval")  # every held-out question, once
     actor = _actor(tiny_reward_model)
     right, wrong = (asyncio.run(actor.score(_texts(tokenizer, rows, w))) for w in (False, True))
-    # A 2-layer character-level model (the carry slip, the policy's own mistake, is the hard pair): 0.78 of the pairs
-    # where it was calibrated, 0.59 (107 of 180) on a machine whose floating point builds another tiny policy
-    # (0.648 held-out instead of 0.549) to start it from. Chance is 0.5, and 0.55 is 1.3 standard errors above it.
-    assert sum(r > w for r, w in zip(right, wrong)) / len(rows) >= 0.55
+    wins = sum(r > w for r, w in zip(right, wrong))  # a tie is no preference
+    # The shipped files are the model on every machine (a deterministic fp32 forward): what it measures is fixed, and
+    # the bar says what "prefers" means. A scorer that cannot tell right from wrong wins half the pairs, with a
+    # binomial standard error of 0.5 / sqrt(182) = 0.037; the bar is 3 of those above chance (0.61: 112 of 182), which
+    # such a scorer reaches with a chance of 0.11% (exact binomial). The shipped model (3000 steps at lr 3e-4) wins 182
+    # of 182; the first one shipped (1000 steps at lr 1e-3) won 84 (28 ties) and this test refused it.
+    bar = 0.5 + 3 * 0.5 / len(rows) ** 0.5
+    assert wins / len(rows) >= bar, f"the reward model prefers the right answer in {wins} of {len(rows)} pairs"
 
 
 def test_a_reward_model_scores_as_a_plain_transformers_forward_normalised_by_its_stored_mean_and_std(

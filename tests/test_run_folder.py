@@ -3,11 +3,15 @@ records (unless --overwrite), --ckpt.load_enable continues a checkpoint when the
 dry run writes nothing, one run at a time holds a run folder, and a folder the run cannot write is refused before it
 starts."""
 
+import builtins
+import errno
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -169,17 +173,79 @@ def test_one_run_per_run_folder_a_live_runs_folder_is_refused_a_dead_runs_is_not
     assert prepare(parse_config(resume))[3][1]["step"] == 1  # a real start takes the folder
 
 
+# Set to 1, the tests that need a file system mounted for them take the route of a machine that refuses them mounts
+# (as root, to check that route too).
+NO_MOUNT = "OPENRLHF_ASYNC_TEST_NO_MOUNT"
+
+
+def _refuse_writes(folder, monkeypatch) -> None:
+    """In this process, every creation or write in folder (os.mkdir, and os.makedirs through it; os.open, and
+    tempfile through it; open; a rename, replace or link into it) fails as on a read-only file system: OSError
+    EROFS. Reading it, and everything elsewhere, is untouched."""
+    root = os.path.realpath(folder)
+    real = {name: getattr(os, name) for name in ("mkdir", "open", "rename", "replace", "symlink", "link")}
+    real_open = builtins.open
+
+    def inside(path) -> bool:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return False  # a file descriptor
+        path = os.path.realpath(os.fsdecode(path))
+        return path == root or path.startswith(root + os.sep)
+
+    def refused(path):
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+
+    def mkdir(path, *args, **kwargs):
+        if inside(path):
+            raise refused(path)
+        return real["mkdir"](path, *args, **kwargs)
+
+    def os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND):
+            raise refused(path)
+        return real["open"](path, flags, *args, **kwargs)
+
+    def open_(file, mode="r", *args, **kwargs):
+        if inside(file) and set(mode) & set("wax+"):
+            raise refused(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def into(name):
+        def call(src, dst, *args, **kwargs):
+            if inside(dst):
+                raise refused(dst)
+            return real[name](src, dst, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    for name in ("rename", "replace", "symlink", "link"):
+        monkeypatch.setattr(os, name, into(name))
+
+
 @pytest.fixture
-def read_only_dir(tmp_path):
-    """A folder on a read-only file system (root ignores permission bits, not a read-only mount)."""
+def read_only_dir(tmp_path, monkeypatch):
+    """A folder on a read-only file system (root ignores permission bits, not a read-only mount): a read-only tmpfs
+    where this process may mount one; elsewhere (no mount rights, or NO_MOUNT=1) a folder in which this process's
+    every creation or write fails as on one (_refuse_writes), which is all that the refusals checked here go through
+    (they run in this process)."""
     folder = tmp_path / "read_only"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    if os.environ.get(NO_MOUNT) != "1":
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
+                                 capture_output=True, text=True)
+        if not mounted.returncode:
+            yield folder
+            subprocess.run(["umount", "--lazy", str(folder)], check=True)
+            return
+    _refuse_writes(folder, monkeypatch)
+    for write in (lambda: os.makedirs(folder / "a" / "b"), lambda: tempfile.mkstemp(dir=folder),
+                  lambda: open(folder / "f", "w")):
+        with pytest.raises(OSError, match=r"^\[Errno 30\] Read-only file system"):
+            write()
     yield folder
-    subprocess.run(["umount", "--lazy", str(folder)], check=True)
 
 
 @pytest.mark.parametrize("case", ["output_dir read-only", "runs_dir read-only", "ckpt.path read-only",

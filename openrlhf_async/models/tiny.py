@@ -52,7 +52,7 @@ EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedde
 # sha256 of each shipped folder (folder_digest): the default policy and reward model, the same bytes everywhere.
 EMBEDDED_DIGESTS = {
     "tiny-qwen2": "e5ed56e869df5845ff009f00624e2f35596485727d4fb4d25c05852965d7b519",
-    "tiny-qwen2-rm": "cb06b33f618a91b946c3446e8a854e1cd6f44e09517915364f46de4576fef542",
+    "tiny-qwen2-rm": "79eed296aaf897650c874cf8df83843cd6d5ec5e0cb51d38bc6431b7e6e21469",
 }
 
 DEFAULT_SETTINGS = dict(
@@ -251,7 +251,7 @@ def _build_tiny_model(cache_dir: str, s: dict) -> str:
     return final
 
 
-RM_DEFAULTS = dict(steps=1000, batch=32, lr=1e-3, seed=0)
+RM_DEFAULTS = dict(steps=3000, batch=32, lr=3e-4, seed=0)
 
 
 def build_tiny_reward_model(cache_dir: str, policy: str = None, **settings) -> str:
