@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Optional
 
 from openrlhf_async.compat import translate_old_spellings
+from openrlhf_async.data.reasoning_gym_tasks import SIZE_MAX as RG_SIZE_MAX
 from openrlhf_async.data.synthetic import BUILTIN_TASKS
 from openrlhf_async.errors import ConfigError, notice
 from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS, gguf_context_length, is_gguf
@@ -65,14 +66,16 @@ NODES_MAX = 4096  # nodes (or engines) one Ray cluster holds
 
 
 def setting(default, help: str, choices: tuple = None, range: str = None, flag: str = None, openrlhf: str = None,
-            type=None, nargs=None, most=None):
+            type=None, nargs=None, most=None, beyond: str = ""):
     """A config field with its --help text, its allowed values (choices, or a range of _EACH or _PAIR, and at most
-    `most`: INT_LIMIT, FLOAT_LIMIT or WEEK_S when not given), its flag where it is spelled other than
-    --<section>.<field>, its OpenRLHF support, and (for a default of None) the type and nargs of its value."""
+    `most`: INT_LIMIT, FLOAT_LIMIT or WEEK_S when not given; `beyond`: what the error past it adds), its flag where
+    it is spelled other than --<section>.<field>, its OpenRLHF support, and (for a default of None) the type and
+    nargs of its value."""
     assert help and (range is None or range in _EACH or range in _PAIR), (help, range)
     assert openrlhf is None or openrlhf.split(":")[0] in SUPPORT_KINDS, openrlhf
     return field(default=default, metadata={"help": help, "choices": choices, "range": range, "flag": flag,
-                                            "openrlhf": openrlhf, "type": type, "nargs": nargs, "most": most})
+                                            "openrlhf": openrlhf, "type": type, "nargs": nargs, "most": most,
+                                            "beyond": beyond})
 
 
 _NO_MUON_REFUSED = "refused: only the adam optimizer is built"
@@ -447,7 +450,10 @@ class DataConfig:
                                                  "e.g. basic_arithmetic,chain_sum), scored by their own scorers on the "
                                                  "response's last \\boxed{} answer (reward/reasoning_gym_reward.py); "
                                                  "held-out questions from another seed are the eval set", type=str)
-    reasoning_gym_size: int = setting(1000, "--data.reasoning_gym: training questions per task", range=">= 1")
+    reasoning_gym_size: int = setting(1000, "--data.reasoning_gym: training questions per task", range=">= 1",
+                                      most=RG_SIZE_MAX, beyond=" (questions per task); a larger set is a dataset: "
+                                      "make it once in a job of its own (openrlhf_async.data.reasoning_gym_tasks."
+                                      "rows, as JSON lines) and pass it as --data.prompt_dataset")
     reasoning_gym_args: str = setting("{}", "--data.reasoning_gym: each task's generator settings, as a JSON object "
                                             "by task name, e.g. '{\"chain_sum\": {\"max_terms\": 2}}'")
 
@@ -676,7 +682,8 @@ class PlanConfig:
     device_memory_gb: Optional[float] = setting(
         None, "memory of one GPU in GB (2^30 bytes) for the memory plan (trainer_rank and vllm_engine in --dry_run's "
               "report); a run whose trainer rank or engine weights do not fit it is refused before anything starts; "
-              "none: the visible GPU's, or on cpu the host's (reported, not checked)", type=float, range="> 0",
+              "none: the visible GPU's, or on cpu the host's (the ranks and engines together must fit it when they "
+              "all run on this machine)", type=float, range="> 0",
         most=2**20)
 
 
@@ -1063,14 +1070,21 @@ def validate(cfg: Config) -> Config:
     refusal, all of a command line's refusals at once. Settings that follow from others (the mode, a lone correction
     threshold) are resolved here, once."""
     requested_device, cfg.device = cfg.device, resolve_device(cfg.device)
-    _validate_environment(requested_device, cfg)  # a bad device or override stops here: the checks below read it
-    _validate_settings(cfg)  # so does a value out of its range (each one said): the checks below compare the values
-    _validate_mode(cfg)  # and a contradicting mode: the checks below read the mode it resolves
+    try:
+        _validate_environment(requested_device, cfg)  # a bad device or override stops here: the checks below read it
+        _validate_settings(cfg)  # so does a value out of range (each one said): the checks below compare the values
+        _validate_mode(cfg)  # and a contradicting mode: the checks below read the mode it resolves
+    except ConfigError as e:
+        raise StopChecks(str(e)) from None
     refuse_together(*(functools.partial(check, cfg) for check in (
         _validate_run_name, _validate_openrlhf_support, _validate_layout, _validate_queue, _validate_rollout,
         _validate_colocation, _validate_algo, _validate_model, _validate_deepspeed, _validate_lora,
         _validate_reward_and_eval, _validate_pipeline, _validate_logger)))
     return cfg
+
+
+class StopChecks(ConfigError):
+    """A refusal that the checks after it would only repeat in other words (a bad device, a value out of range)."""
 
 
 def refuse_together(*checks) -> None:
@@ -1083,6 +1097,8 @@ def refuse_together(*checks) -> None:
         except ConfigError as e:
             # two checks reading one bad value (an environment override) say it once
             refusals += [line for line in str(e).splitlines() if line not in refusals]
+            if isinstance(e, StopChecks):  # later checks would read the bad value and only repeat it
+                break
     if refusals:
         raise ConfigError("\n".join(refusals))
 
@@ -1137,7 +1153,7 @@ def _validate_setting(flag: str, value, f) -> None:
     numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if f.default != math.inf and any(v > high for v in numbers):
         unit = " seconds (a week)" if high == WEEK_S and rng == "> 0 s" else ""
-        raise ConfigError(f"--{flag} {_shown(value)}: must be at most {_number(high)}{unit}")
+        raise ConfigError(f"--{flag} {_shown(value)}: must be at most {_number(high)}{unit}{f.metadata['beyond']}")
     if any(v < low for v in numbers):
         raise ConfigError(f"--{flag} {_shown(value)}: must be at least {_number(low)}")
 
@@ -1418,7 +1434,11 @@ def _validate_model(cfg: Config) -> None:
     for flag, value in (("--critic.model_name_or_path", cfg.critic.model_name_or_path),
                         ("--reward.model_name_or_path", cfg.reward.model_name_or_path)):
         for path in [p.strip() for p in (value or "").split(",") if p.strip()]:
-            if not os.path.isdir(path) and not is_hub_id(path):
+            if os.path.isdir(path):
+                _read_model_config(flag, path)  # a folder must hold a model: its config.json is read
+            elif is_hub_id(path):
+                _hub_model_positions(path, flag)
+            else:
                 raise ConfigError(f"{flag} {path}: no such model folder (give a local folder of a causal LM or of a "
                                   "critic / reward model in OpenRLHF's format, or a Hugging Face id)")
     positions = _model_positions(model)
@@ -1445,6 +1465,16 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError(f"--ds.lora.target_modules {' '.join(sorted(heads))}: an adapter on the embeddings or the "
                           "output head would untie them from each other where the model ties them; target the "
                           "decoder's linear layers (all-linear)")
+    if d.lora_target_modules != "all-linear":  # as peft matches them: a layer's dotted name or its ending
+        from openrlhf_async.trainer.memory_plan import linear_layers
+
+        layers = linear_layers(cfg.actor.model_name_or_path)
+        unknown = [t for t in d.lora_target_modules
+                   if layers is not None and not any(n == t or n.endswith("." + t) for n in layers)]
+        if unknown:
+            names = sorted({n.rsplit(".", 1)[-1] for n in layers} - {"lm_head"})
+            raise ConfigError(f"--ds.lora.target_modules {' '.join(unknown)}: the model has no such linear layer "
+                              f"(its linear layers: {', '.join(names)}); name some of them, or use all-linear")
     if cfg.ref.offload and cfg.algo.kl_init_coef > 0:
         notice("--ref.offload has no effect with --ds.lora.rank: the reference model is the policy with its adapter "
                "disabled (no second copy)")
@@ -1467,8 +1497,6 @@ def _validate_deepspeed(cfg: Config) -> None:
 def _model_positions(model: Optional[str]):
     """The model's max_position_embeddings: from its folder's config.json, from the hub for an id (a model that
     cannot be fetched fails here, before anything starts), or the embedded tiny model's."""
-    import json
-
     if not model:
         return TINY_MAX_POSITIONS
     if is_gguf(model) and os.path.isfile(model):
@@ -1480,17 +1508,31 @@ def _model_positions(model: Optional[str]):
                               f"{why})") from None
     if not os.path.isdir(model):
         return _hub_model_positions(model)
-    config_file = os.path.join(model, "config.json")
+    return _read_model_config("--actor.model_name_or_path", model).get("max_position_embeddings")
+
+
+def _read_model_config(flag: str, folder: str) -> dict:
+    """A model folder's config.json (ConfigError naming the flag when it is missing, not JSON or nested past
+    json_text's bound)."""
+    from openrlhf_async.utils.json_text import loads
+
+    config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
-        raise ConfigError(f"--actor.model_name_or_path {model}: folder has no config.json")
+        raise ConfigError(f"{flag} {folder}: the folder has no config.json (not a model folder?); give a Hugging "
+                          "Face model folder or id")
     try:
-        with open(config_file) as f:
-            return json.load(f).get("max_position_embeddings")
-    except ValueError as e:
-        raise ConfigError(f"--actor.model_name_or_path {model}: config.json is not valid JSON ({e})") from None
+        with open(config_file, "rb") as f:
+            config = loads(f.read(), f"{flag} {folder}: config.json")
+    except ConfigError:  # nested too deep
+        raise
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ConfigError(f"{flag} {folder}: config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{flag} {folder}: config.json is not a JSON object; give a model's config")
+    return config
 
 
-def _hub_model_positions(model: str):
+def _hub_model_positions(model: str, flag: str = "--actor.model_name_or_path"):
     """A hub model's max_position_embeddings, from the local cache or the hub. Where the hub cannot be reached (an
     offline login node, HF_HUB_OFFLINE), a notice says the model is fetched when the run starts; a hub that
     answers that the model does not exist (or is gated) is an error now."""
@@ -1507,14 +1549,14 @@ def _hub_model_positions(model: str):
             raise OSError("HF_HUB_OFFLINE is set")
         socket.create_connection(("huggingface.co", 443), timeout=3).close()
     except OSError as e:
-        notice(f"--actor.model_name_or_path {model}: the Hugging Face hub cannot be reached to check it ({e}); it is "
+        notice(f"{flag} {model}: the Hugging Face hub cannot be reached to check it ({e}); it is "
                "fetched when the engines and ranks start")
         return None
     try:
         return getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
     except Exception as e:  # no such repository, gated, not a transformers model
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"--actor.model_name_or_path {model}: could not be fetched from the Hugging Face hub "
+        raise ConfigError(f"{flag} {model}: could not be fetched from the Hugging Face hub "
                           f"({reason}); check the id, or download it and give its folder") from None
 
 
@@ -1607,13 +1649,19 @@ def resolve_steps(cfg: Config, num_prompts: int) -> None:
         cfg.train.max_steps = max(1, cfg.train.num_episodes * num_prompts // per_step)
 
 
+def local_cpu_run(cfg: Config) -> bool:
+    """On cpu, a run that starts its own Ray (no RAY_ADDRESS, none running in this process): all on this machine."""
+    ray = sys.modules.get("ray")
+    return cfg.device == "cpu" and not os.environ.get("RAY_ADDRESS") and not (ray is not None and
+                                                                              ray.is_initialized())
+
+
 def check_local_cores(cfg: Config) -> None:
     """On cpu, a run that starts its own Ray (no RAY_ADDRESS, none running in this process) has this machine's cores:
     each trainer rank is a busy process and needs one (64 ranks on 2 cores never finish a step), and the engines take
     --vllm.cpus_per_engine each. A cluster's room is Ray's to give (cuda: check_cluster at start). Each role too
     large is one line of the one ConfigError."""
-    ray = sys.modules.get("ray")
-    if cfg.device != "cpu" or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+    if not local_cpu_run(cfg):
         return
     cores, a, c, r, refusals = os.cpu_count() or 1, cfg.actor, cfg.critic, cfg.reward, []
     if a.world_size > cores:

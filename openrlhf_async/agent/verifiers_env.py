@@ -19,6 +19,7 @@ import os
 from openrlhf_async.agent import EPISODE_FIELD, AgentFileError, StepResult
 from openrlhf_async.utils.user_files import check_user_file, import_user_file
 
+TASKS_MAX = 100_000  # tasks read of a taskset: its load() may yield for ever
 KEY_VAR = "OPENRLHF_ASYNC_ENDPOINT_KEY"  # verifiers reads the endpoint's key from an environment variable
 # The in-process harness's id: verifiers takes a plugin id for a top-level module name.
 HARNESS_ID = "openrlhf_async_verifiers_harness"
@@ -48,8 +49,10 @@ def load_env(spec: str, args: str = "{}"):
         import verifiers.v1 as vf
     except ImportError as e:
         raise AgentFileError(f"--agent.verifiers_env needs the verifiers package ({e}); run `make install`") from None
+    from openrlhf_async.utils.json_text import loads
+
     try:
-        extra = json.loads(args)
+        extra = loads(args, "--agent.verifiers_args", AgentFileError)
     except json.JSONDecodeError as e:
         raise AgentFileError(f"--agent.verifiers_args is not JSON ({e})") from None
     if not isinstance(extra, dict):
@@ -81,11 +84,25 @@ def _message(m) -> dict:
     return {"role": m["role"], "content": m.get("content") or ""}
 
 
+def tasks(env) -> list:
+    """The environment's tasks, at most TASKS_MAX (AgentFileError for more, or for a taskset that says it is
+    infinite), so that an endless one is a line at start rather than a MemoryError."""
+    import itertools
+
+    bounded = getattr(env.taskset, "bounded", True)  # verifiers' own flag: INFINITE, less a view that caps it
+    out = list(itertools.islice(env.taskset, TASKS_MAX + 1)) if bounded else None
+    if out is None or len(out) > TASKS_MAX:
+        raise AgentFileError(f"--agent.verifiers_env: its taskset yields more than {TASKS_MAX} tasks"
+                             f"{'' if bounded else ' (it is INFINITE)'}; bound it (its load(), or a view such as "
+                             ".take(N)) to at most that many")
+    return out
+
+
 def prompt_rows(env) -> list:
     """The environment's tasks as prompt rows: {"prompt": text or messages (its system prompt first), "label":
     the task's index}."""
     rows = []
-    for i, task in enumerate(env.taskset):
+    for i, task in enumerate(tasks(env)):
         prompt, system = task.data.prompt, getattr(task.data, "system_prompt", None)
         if not isinstance(prompt, str):
             prompt = [_message(m) for m in prompt or []]
@@ -105,7 +122,7 @@ class VerifiersAgent:
 
     def __init__(self, spec: str, args: str = "{}"):
         self.path, self.env = spec, load_env(spec, args)
-        self.tasks = list(self.env.taskset)
+        self.tasks = tasks(self.env)
         self._serving = None
 
     async def run(self, client, model: str, prompt, label, episode: str = None, base_url: str = None,

@@ -51,9 +51,10 @@ def prepare(cfg):
         if cfg.agent.verifiers_env:
             if cfg.agent.func_path:
                 raise AgentFileError("--agent.verifiers_env and --train.agent_func_path both give the agent; pass one")
-            from openrlhf_async.agent.verifiers_env import load_env
+            from openrlhf_async.agent.verifiers_env import load_env, tasks
 
             verifiers_env = load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)
+            tasks(verifiers_env)  # an endless taskset is refused here, not in the engines (which read them all)
         else:
             load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
@@ -223,10 +224,15 @@ def _memory_summary(plan) -> str:
         return "; no memory plan (the model's config could not be read)"
     from openrlhf_async.trainer.memory_plan import GB
 
-    device = plan["device_memory"]
+    device, host = plan["device_memory"], plan.get("host")
     shared = f", {plan['hybrid']['peak'] / GB:.1f} GB per device shared with an engine" if plan.get("hybrid") else ""
+    if host and not plan["checked"]:  # on cpu, all on this machine: the ranks and engines together
+        return (f"; memory plan: {plan['trainer_rank']['total'] / GB:.1f} GB per trainer rank, "
+                f"{host['total'] / GB:.1f} GB with the engines, of {host['memory'] / GB:.1f} GB host memory")
+    unchecked = " (not checked: the Ray cluster's nodes hold the ranks)" if plan["setup"]["device"] == "cpu" else \
+        " (not checked)"
     return (f"; memory plan: {plan['trainer_rank']['total'] / GB:.1f} GB per trainer rank{shared}"
-            + (f" of {device / GB:.1f} GB" if device else "") + ("" if plan["checked"] else " (not checked)"))
+            + (f" of {device / GB:.1f} GB" if device else "") + ("" if plan["checked"] else unchecked))
 
 
 def main(argv=None) -> int:

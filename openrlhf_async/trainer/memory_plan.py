@@ -12,7 +12,6 @@ keeps, and one gathered bucket). GB here are 2^30 bytes, as torch and nvidia-smi
 
 import dataclasses
 import functools
-import json
 import os
 from dataclasses import dataclass
 
@@ -293,12 +292,16 @@ def table(p: dict) -> str:
     """The plan as a few lines of text."""
     r, e, device = p["trainer_rank"], p["vllm_engine"], p["device_memory"]
     gb = lambda v: "-" if v is None else f"{v / GB:.2f}"  # noqa: E731
+    host = p.get("host")
     rows = [f"memory plan ({p['params'] / 1e9:.3f}B parameters; device {gb(device)} GB"
-            + ("" if p["checked"] else ", not checked") + ")",
+            + ("" if p["checked"] else ", host memory" if host else ", not checked") + ")",
             "  trainer rank: " + ", ".join(f"{k} {gb(v)}" for k, v in r.items() if k != "total")
             + f" -> {gb(r['total'])} GB",
             "  vLLM engine (per GPU): " + ", ".join(f"{k} {gb(v)}" for k, v in e.items() if k != "total")
             + f" -> {gb(e['total'])} GB"]
+    if host:
+        rows.append(f"  this machine: {_count(host['ranks'], 'trainer rank')} + "
+                    f"{_count(host['engines'], 'vLLM engine')} -> {gb(host['total'])} of {gb(host['memory'])} GB")
     if p.get("hybrid"):
         rows.append("  hybrid engine (engine + rank on one device): " + ", ".join(
             f"{k} {gb(v)}" for k, v in p["hybrid"].items() if k != "peak") + f" -> peak {gb(p['hybrid']['peak'])} GB")
@@ -316,14 +319,32 @@ def model_shape(model):
         return None
 
 
+@functools.lru_cache(maxsize=8)
+def linear_layers(model):
+    """The dotted names of the model's linear layers (what LoRA adapts), from its config built on the meta device
+    (no weights read); None where the config cannot be read or built."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = _model_config(model)
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    except Exception:  # an offline hub, a model type transformers lacks: the names are checked when it loads
+        return None
+    return tuple(name for name, module in net.named_modules() if isinstance(module, torch.nn.Linear))
+
+
 def _model_config(model) -> dict:
     if not model:
         from openrlhf_async.models.tiny import DEFAULT_SETTINGS as S, build_config, build_tokenizer
 
         return build_config(build_tokenizer(), S["num_layers"], S["intermediate_size"], S["max_positions"]).to_dict()
     if os.path.isdir(model):
-        with open(os.path.join(model, "config.json")) as f:
-            return json.load(f)
+        from openrlhf_async.utils.json_text import loads
+
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            return loads(f.read(), f"{model}: config.json")
     from transformers import AutoConfig
 
     from openrlhf_async.utils.model_info import is_gguf
@@ -344,7 +365,7 @@ def _model_config(model) -> dict:
 
 def device_memory(cfg) -> tuple:
     """(bytes, checked): --plan.device_memory_gb (checked); else a visible GPU's (checked on cuda); else on cpu the
-    host's memory, not checked: ranks, engines and other programs share it, so a per-rank bound would mislead."""
+    host's memory, not checked per rank: ranks and engines share it, so for_config checks them together."""
     if cfg.plan.device_memory_gb:
         return int(cfg.plan.device_memory_gb * GB), True
     if cfg.device == "cuda":
@@ -377,6 +398,45 @@ def colocated_bytes(cfg, s: Setup) -> dict:
             "colocated_kept": int((critic and critic["kept"]) + reward)}
 
 
+def host_plan(cfg, p: dict):
+    """On cpu, a run all on this machine (config.local_cpu_run): its ranks and engines share the host's memory, so
+    the plan is checked against it as a whole: {"ranks", "engines", "total"}. None elsewhere (a Ray cluster's nodes
+    are not this machine)."""
+    from openrlhf_async.config import local_cpu_run
+
+    if not local_cpu_run(cfg):
+        return None
+    return {"ranks": cfg.actor.world_size, "engines": cfg.num_engines,
+            "total": cfg.actor.world_size * p["trainer_rank"]["total"] + cfg.num_engines * p["vllm_engine"]["total"]}
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
+def _largest_part(cfg, p: dict) -> str:
+    """The plan's largest part on the host, the flag it comes from and what to do, as words."""
+    rank, s, host = p["trainer_rank"], p["setup"], p["host"]
+    model = ("the model's size (--actor.model_name_or_path)", "use a smaller model, or a Ray cluster (RAY_ADDRESS)")
+    lora = (f"--ds.lora.rank {s['lora_rank']}", "lower it")
+    tokens = (f"--train.max_tokens_per_gpu {cfg.train.max_tokens_per_gpu}" if cfg.train.dynamic_batch_enable else
+              f"--train.micro_batch_size {cfg.train.micro_batch_size} x --data.max_len {cfg.data.max_len}")
+    batch = (tokens, "lower it, or add --actor.gradient_checkpointing_enable")
+    adapter = s["lora_rank"] and rank["gradients"] > rank["weights"] / 2  # the adapter outweighs the model
+    sources = {"weights": lora if adapter else model,
+               "gradients": lora if s["lora_rank"] else model, "optimizer": lora if s["lora_rank"] else model,
+               "buffers": model, "reference": (f"--algo.kl.init_coef {cfg.algo.kl_init_coef:g}", "use 0, or LoRA"),
+               "activations": batch, "attention_mask": batch,
+               "logits": (f"--actor.logprobs_chunk_size {cfg.actor.logprobs_chunk_size}", "lower it"),
+               "colocated": ("--train.colocate_all", "drop it")}
+    parts = {k: v * host["ranks"] for k, v in rank.items() if k in sources}
+    parts["kv_cache"] = host["engines"] * s["cpu_kvcache_gb"] * GB
+    sources["kv_cache"] = (f"--vllm.cpu_kvcache_space_gib {s['cpu_kvcache_gb']}", "lower it")
+    part = max(parts, key=parts.get)
+    flag, fix = sources[part]
+    return f"the largest part is the {part.replace('_', ' ')} ({parts[part] / GB:.1f} GB), from {flag}: {fix}"
+
+
 def for_config(cfg):
     """The run's plan (None where the model's shape cannot be read); raises ConfigError where it cannot fit."""
     from openrlhf_async.config import ConfigError
@@ -390,4 +450,12 @@ def for_config(cfg):
     why = refusal(p, shape, s, cfg.train.dynamic_batch_enable, cfg.data.max_len)
     if why:
         raise ConfigError(why)
+    host, memory = host_plan(cfg, p), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    p["host"] = host and {**host, "memory": memory}
+    if host and host["total"] > memory:  # they cannot all fit: refused now, not swapping or OOM-killed later
+        raise ConfigError(f"memory plan: {_count(host['ranks'], 'trainer rank')} x "
+                          f"{p['trainer_rank']['total'] / GB:.1f} GB + {_count(host['engines'], 'vLLM engine')} x "
+                          f"{p['vllm_engine']['total'] / GB:.1f} GB need "
+                          f"{host['total'] / GB:.1f} GB and this machine has {memory / GB:.1f} GB; "
+                          + _largest_part(cfg, p))
     return p

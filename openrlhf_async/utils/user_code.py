@@ -7,15 +7,53 @@ processes, one call per worker at a time, and kills the one worker whose call ha
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import multiprocessing
 import os
+import re
 import threading
 import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 
 _STARTUP_TIMEOUT = 120.0  # seconds a fresh worker may take to start and import the user's file on a busy machine
+SEM_FOLDER = "/dev/shm"  # where Linux keeps named POSIX semaphores (sem.<name>)
+_OWNED = re.compile(r"sem\.mp-oa(\d+)-\w+")  # a pool's semaphore, named after its owner's pid (owned_semaphores)
+
+
+@contextlib.contextmanager
+def owned_semaphores():
+    """The multiprocessing semaphores made inside (a process pool's queues: 5 a pool) named after this process, so
+    that remove_dead_semaphores can tell them from others': killed outright with its process group (Ray's cleanup,
+    kill -9 -PGID), a process takes multiprocessing's resource tracker, which would remove them, along."""
+    config = multiprocessing.current_process()._config
+    previous = config.get("semprefix", "/mp")
+    config["semprefix"] = f"/mp-oa{os.getpid()}"
+    try:
+        yield
+    finally:
+        config["semprefix"] = previous
+
+
+def remove_dead_semaphores(folder: str = SEM_FOLDER) -> None:
+    """Remove the pools' semaphores whose owner process is gone (its live workers keep theirs open)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            owner = _OWNED.fullmatch(name)
+            if owner and not _alive(int(owner.group(1))):
+                with contextlib.suppress(OSError):  # removed meanwhile, or another user's
+                    os.unlink(os.path.join(folder, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 class UserCodeStalled(RuntimeError):
@@ -70,6 +108,7 @@ class UserWorkers:
         self._load, self._load_args = load, load_args
         self._idle, self._live = [], set()  # single-process executors: free ones, and all not yet killed
         self._per_loop = weakref.WeakKeyDictionary()  # event loop -> semaphore over the workers (loop-bound)
+        remove_dead_semaphores()  # those of a pool killed outright before this start
 
     def _slots(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -80,9 +119,10 @@ class UserWorkers:
     async def _worker(self):
         if self._idle:
             return self._idle.pop()
-        worker = concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-            initargs=(os.getpid(), self._load, self._load_args))
+        with owned_semaphores():
+            worker = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                initargs=(os.getpid(), self._load, self._load_args))
         self._live.add(worker)
         try:  # started outside the call's timeout, as the math-verify workers are
             await asyncio.wait_for(asyncio.wrap_future(worker.submit(_ready)), _STARTUP_TIMEOUT)
