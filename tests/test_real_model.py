@@ -56,8 +56,9 @@ def test_after_a_step_and_a_sync_vllm_log_probs_and_greedy_tokens_agree_with_the
     before = ray.get(engine.read_weight.remote(name))[:50]
 
     # One real update with large advantages, so that the trainer's weights leave the file the engine loaded.
-    sample = {"temperature": 1.0, "max_tokens": 24}
-    outs = ray.get([engine.generate.remote(p, sample, f"train-{i}") for i, p in enumerate(prompts)])
+    # Every sampled request carries a seed of its own: what it samples does not depend on what else the engine runs.
+    outs = ray.get([engine.generate.remote(p, {"temperature": 1.0, "max_tokens": 24, "seed": i}, f"train-{i}")
+                    for i, p in enumerate(prompts)])
     samples = [{"prompt_ids": o["prompt_ids"], "response_ids": o["response_ids"], "logprobs": o["logprobs"],
                 "advantage": 1.0 - 2 * (i % 2)} for i, o in enumerate(outs)]
     stats = policy.train_step(samples, 3, loss_settings(cfg, correction={"level": "off"}))
@@ -69,8 +70,8 @@ def test_after_a_step_and_a_sync_vllm_log_probs_and_greedy_tokens_agree_with_the
     assert (engine_weight - trainer_weight).abs().max() == 0
 
     # Sampled responses (temperature 1, up to 160 tokens, the model's own end-of-turn token ends them).
-    sampled = ray.get([engine.generate.remote(p, {"temperature": 1.0, "max_tokens": 160}, f"sampled-{i}-{k}")
-                       for i, p in enumerate(prompts) for k in range(2)])
+    sampled = ray.get([engine.generate.remote(p, {"temperature": 1.0, "max_tokens": 160, "seed": 100 + 2 * i + k},
+                                              f"sampled-{i}-{k}") for i, p in enumerate(prompts) for k in range(2)])
     teacher = ray.get(policy.call("forward_logprobs", sampled))[0]
     diffs = [abs(a - b) for out, ref in zip(sampled, teacher) for a, b in zip(out["logprobs"], ref["logprobs"])]
     assert len(diffs) == sum(len(o["response_ids"]) for o in sampled) > 100
@@ -97,7 +98,7 @@ def test_packed_token_budget_passes_give_the_padded_log_probs_on_the_real_model(
     """The trainer's packed log-prob pass (token-budget micro batches, chunked log-softmax) on SmolLM2's uneven
     samples: the same log-probs as padded rows with whole logits."""
     cfg, engines, policy, _ = real_stack
-    outs = ray.get([engines[0].generate.remote(p, {"temperature": 1.0, "max_tokens": 96}, f"pack-{i}")
+    outs = ray.get([engines[0].generate.remote(p, {"temperature": 1.0, "max_tokens": 96, "seed": 200 + i}, f"pack-{i}")
                     for i, p in enumerate(_prompts(smollm2))])
     padded = ray.get(policy.call("forward_logprobs", outs))[0]
     settings = policy.batching
@@ -132,9 +133,10 @@ def test_a_multi_turn_episode_on_the_real_engine_is_a_chat_the_trainer_scores_as
     agent = user_file(tmp_path, "two_turns.py", MULTI_TURN_AGENT)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     prompt = _prompts(smollm2)[0]
-    # Sampled: a greedy answer may run to the budget without ending its turn.
-    episodes = ray.get(engines[0].generate_group.remote(prompt, "7", 6, {"temperature": 1.0}, "multi-turn", 400,
-                                                        agent))
+    # Sampled (a greedy answer may run to the budget without ending its turn), seeded: the group's seed moves down to
+    # each sample and turn.
+    episodes = ray.get(engines[0].generate_group.remote(prompt, "7", 6, {"temperature": 1.0, "seed": 300},
+                                                        "multi-turn", 400, agent))
     assert not any(ep.error for ep in episodes)
     episodes = [ep for ep in episodes if ep.turns == 2]
     assert episodes, "no episode ended its first turn within the budget"

@@ -98,13 +98,16 @@ def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engi
                 return 1.0, state + action, True, {"state": state, "action": action}
             return 0.0, state + action + " [obs] ", False, {}
     """)
-    # The model answers in a few tokens and stops (EOS), leaving budget for the second turn.
-    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24},
+    # Greedy, the model answers in a few tokens and stops (EOS), leaving budget for the second turn (sampled, a first
+    # turn may take the whole budget). No early stop: the first two prompts, whichever finishes first.
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24, "early_stop": False},
                       algo={"dynamic_filtering_enable": False}, agent={"func_path": agent})
-    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 0.0})
     groups, _ = controller.run(_source(prompts), target=2)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    for ep in [e for g in groups for e in g]:
+    episodes = [e for g in groups for e in g]
+    assert len(episodes) == 4
+    for ep in episodes:
         (a0, a1), (b0, b1) = action_ranges(ep.action_mask)
         assert ep.turns == 2 and ep.score == 1.0 and a0 == 0 and b1 == len(ep.response_ids)
         # A user turn of the model's chat template; an action cut by its budget gets its end-of-turn token here.
@@ -114,7 +117,9 @@ def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engi
         assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
         assert all(lp == 0.0 for lp in ep.logprobs[a1:b0])
         model_logprobs = ep.logprobs[a0:a1] + ep.logprobs[b0:b1]
-        assert len(model_logprobs) == a1 + b1 - b0 and all(lp < 0 for lp in model_logprobs)
+        # vLLM's log-probs, none above 0 (a near-certain token's may be exactly 0.0 in fp32), and not all 0.
+        assert len(model_logprobs) == a1 + b1 - b0 and all(lp <= 0 for lp in model_logprobs)
+        assert any(lp < 0 for lp in model_logprobs)
         # Token in, token out: the agent saw the decoded turns, and the second turn continued the exact tokens.
         first_action = tokenizer.decode(ep.response_ids[a0:a1], skip_special_tokens=True)
         assert ep.extra_info["state"].endswith(first_action + " [obs] ")
@@ -223,11 +228,14 @@ def test_openrlhf_agent_executor_file_runs_unchanged(engines, stack_cfg, prompts
             def __init__(self):
                 super().__init__(AgentInstance)
     """)
-    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24},
+    # Greedy: the model's first answer ends well within the budget, which leaves room for the second turn.
+    cfg = config_with(stack_cfg, rollout={"n_samples_per_prompt": 2, "max_new_tokens": 24, "early_stop": False},
                       algo={"dynamic_filtering_enable": False}, agent={"func_path": agent})
-    controller = RolloutController(cfg, engines, sampling={"temperature": 1.0})
+    controller = RolloutController(cfg, engines, sampling={"temperature": 0.0})
     groups, _ = controller.run(_source(prompts), target=2)
-    for ep in [e for g in groups for e in g]:
+    episodes = [e for g in groups for e in g]
+    assert len(episodes) == 4
+    for ep in episodes:
         assert ep.error is None and ep.score == 1.0 and ep.turns == 2
         assert 0 in ep.action_mask and len(ep.action_mask) == len(ep.response_ids) == len(ep.logprobs)
     _assert_engines_idle(engines, controller)

@@ -118,7 +118,10 @@ def _train(tmp_path, env_file, *flags):
 
 
 def test_a_multi_turn_verifiers_environment_trains(tmp_path):
-    trained, samples = _train(tmp_path, user_file(tmp_path, "vf_follow_up.py", MULTI_TURN))
+    # Sampled with the run's seeds (--train.seed), and each batch a prefix of the start order (unbiased early stop):
+    # which groups train does not depend on which finished first.
+    trained, samples = _train(tmp_path, user_file(tmp_path, "vf_follow_up.py", MULTI_TURN),
+                              "--rollout.unbiased_early_stop")
     assert [m["engine_weight_version"] for m in trained] == [1, 2]
     for m in trained:
         assert m["rollout/agent_errors"] == 0 and m["rollout/extra/turns"] == 2.0 and m["grad_norm"] > 0
