@@ -1466,7 +1466,7 @@ def _validate_lora(cfg: Config) -> None:
                           "output head would untie them from each other where the model ties them; target the "
                           "decoder's linear layers (all-linear)")
     if d.lora_target_modules != "all-linear":  # as peft matches them: a layer's dotted name or its ending
-        from openrlhf_async.trainer.memory_plan import linear_layers
+        from openrlhf_async.utils.model_info import linear_layers
 
         layers = linear_layers(cfg.actor.model_name_or_path)
         unknown = [t for t in d.lora_target_modules

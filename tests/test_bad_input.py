@@ -353,7 +353,7 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 @pytest.mark.parametrize("package,module,args", [
-    ("tokenizers", "openrlhf_async.cli.train_async", ["@" + preset_path("tiny_cpu"), "--dry_run",
+    ("torch", "openrlhf_async.cli.train_async", ["@" + preset_path("tiny_cpu"), "--dry_run",
                                                      "--runs_dir", "{tmp}"]),
     ("pyarrow", "openrlhf_async.cli.prepare_data", ["--dataset", "dapo-math-17k", "--input", "{tmp}/x.parquet",
                                                     "--output", "{tmp}/out"]),

@@ -262,7 +262,7 @@ async def run_executor_episode(request, agent, tokenizer, prompt_ids: list, labe
     through this episode's engine adapter; an executor that keeps the adapter of its first episode for all (OpenRLHF's
     OpenAI-server executor starts its server once) gives the others' tokens `version`, the engine's at the start."""
     ep = Episode(request_id, list(prompt_ids))
-    engine = EngineAdapter(request, request_id, sampling_params.seed)
+    engine = EngineAdapter(request, request_id, getattr(sampling_params, "seed", None))
     prompt = tokenizer.decode(prompt_ids)
     try:
         out = await agent.executor.execute(prompt, label, sampling_params, len(prompt_ids) + budget, tokenizer, engine)

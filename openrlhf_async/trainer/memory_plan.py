@@ -313,54 +313,12 @@ def model_shape(model):
     """The shape of --actor.model_name_or_path: an HF folder's config.json, a GGUF file's metadata, a hub id's
     config (from the local cache, else the hub where it answers), or the embedded tiny model's; None where it
     cannot be read (the run then starts unplanned)."""
+    from openrlhf_async.utils.model_info import model_config
+
     try:
-        return ModelShape.from_config(_model_config(model))
+        return ModelShape.from_config(model_config(model))
     except (OSError, KeyError, TypeError, ValueError):  # offline hub, a config without the shape's fields
         return None
-
-
-@functools.lru_cache(maxsize=8)
-def linear_layers(model):
-    """The dotted names of the model's linear layers (what LoRA adapts), from its config built on the meta device
-    (no weights read); None where the config cannot be read or built."""
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = _model_config(model)
-        with torch.device("meta"):
-            net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    except Exception:  # an offline hub, a model type transformers lacks: the names are checked when it loads
-        return None
-    return tuple(name for name, module in net.named_modules() if isinstance(module, torch.nn.Linear))
-
-
-def _model_config(model) -> dict:
-    if not model:
-        from openrlhf_async.models.tiny import DEFAULT_SETTINGS as S, build_config, build_tokenizer
-
-        return build_config(build_tokenizer(), S["num_layers"], S["intermediate_size"], S["max_positions"]).to_dict()
-    if os.path.isdir(model):
-        from openrlhf_async.utils.json_text import loads
-
-        with open(os.path.join(model, "config.json"), "rb") as f:
-            return loads(f.read(), f"{model}: config.json")
-    from transformers import AutoConfig
-
-    from openrlhf_async.utils.model_info import is_gguf
-
-    if is_gguf(model):
-        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)),
-                                          gguf_file=os.path.basename(model)).to_dict()
-    try:
-        return AutoConfig.from_pretrained(model, local_files_only=True).to_dict()
-    except OSError:
-        if os.environ.get("HF_HUB_OFFLINE", "").strip() not in ("", "0"):
-            raise
-        import socket
-
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()  # an offline login node fails fast
-        return AutoConfig.from_pretrained(model).to_dict()
 
 
 def device_memory(cfg) -> tuple:

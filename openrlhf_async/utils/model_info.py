@@ -2,6 +2,9 @@
 file, a GGUF file's context length (from its metadata), the embedded tiny model's positions. Building the tiny model
 and converting a GGUF file are models/'s (tiny.py, gguf.py), which read these too."""
 
+import functools
+import os
+
 TINY_MAX_POSITIONS = 256  # the embedded tiny model's max_position_embeddings (models/tiny.py builds it)
 
 
@@ -21,3 +24,45 @@ def gguf_context_length(path: str) -> int:
 def gguf_value(field):
     """A GGUF metadata field's value (as the reader's array: one number, or a string's bytes)."""
     return field.parts[field.data[0]]
+
+
+@functools.lru_cache(maxsize=8)
+def linear_layers(model):
+    """The dotted names of the model's linear layers (what LoRA adapts), from its config built on the meta device
+    (no weights read); None where the config cannot be read or built."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = model_config(model)
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    except Exception:  # an offline hub, a model type transformers lacks: the names are checked when it loads
+        return None
+    return tuple(name for name, module in net.named_modules() if isinstance(module, torch.nn.Linear))
+
+
+def model_config(model) -> dict:
+    """The model's config.json as a dict: the embedded tiny model's, a folder's, a GGUF file's or a hub id's."""
+    if not model:  # the embedded tiny model: its shipped folder (models/tiny.py EMBEDDED_DIR)
+        model = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "embedded",
+                             "tiny-qwen2")
+    if os.path.isdir(model):
+        from openrlhf_async.utils.json_text import loads
+
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            return loads(f.read(), f"{model}: config.json")
+    from transformers import AutoConfig
+
+    if is_gguf(model):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)),
+                                          gguf_file=os.path.basename(model)).to_dict()
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True).to_dict()
+    except OSError:
+        if os.environ.get("HF_HUB_OFFLINE", "").strip() not in ("", "0"):
+            raise
+        import socket
+
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()  # an offline login node fails fast
+        return AutoConfig.from_pretrained(model).to_dict()
