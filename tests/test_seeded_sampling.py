@@ -25,9 +25,6 @@ def test_a_seeded_request_samples_the_same_tokens_on_any_engine_in_any_company(e
     assert ray.get(crowded)["response_ids"] == alone[0]["response_ids"]
     # Other seeds sample other answers: the seed is used, not ignored.
     assert len({tuple(o["response_ids"]) for o in others}) > 30
-    unseeded = [ray.get(engines[0].generate.remote(_prompt(1), SAMPLED, f"free-{k}"))["response_ids"]
-                for k in range(2)]
-    assert unseeded[0] != unseeded[1]
 
 
 def test_seeded_requests_whose_prompts_overflow_an_engine_step_keep_the_engine_alive(engines):
