@@ -13,21 +13,10 @@ import time
 import pytest
 
 from conftest import user_file
-from openrlhf_async.cli.train_async import main
+from test_hostile_inputs import dry_run, one_error_line
 from openrlhf_async.config import ConfigError, preset_config, preset_path, validate
 
 DEEP = "[" * 200_000 + "]" * 200_000
-
-
-def dry_run(tmp_path, *flags):
-    return main(["@" + preset_path("tiny_cpu"), "--runs_dir", str(tmp_path / "runs"), "--no-progress", "--dry_run",
-                 *flags])
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 # 1. reasoning-gym: the task count is bounded, and the generation runs in a child under a time and memory limit.

@@ -54,7 +54,8 @@ def prepare(cfg):
             from openrlhf_async.agent.verifiers_env import load_env, tasks
 
             verifiers_env = load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)
-            tasks(verifiers_env)  # an endless taskset is refused here, not in the engines (which read them all)
+            if cfg.data.prompt_dataset:  # else prompt_rows reads (and bounds) them below, before any engine
+                tasks(verifiers_env)  # an endless taskset is refused here, not in the engines (which read them all)
         else:
             load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
