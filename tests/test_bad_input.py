@@ -1,6 +1,7 @@
 """Bad input fails fast with one line naming the flag or file, before any actor starts."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -361,8 +362,10 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 def test_a_missing_package_is_one_line_saying_to_run_make_install(tmp_path, package, module, args):
     (tmp_path / "x.parquet").write_bytes(b"")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    # No DEVICE (make test sets it): the device is then found with torch, which the dry run must import.
+    env = {k: v for k, v in os.environ.items() if k != "DEVICE"}
     proc = subprocess.run([sys.executable, "-c", MISSING_PACKAGE, package, module, *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         f"error: the Python package '{package}' is missing from {sys.executable}'s environment: run `make install` "
         "and use .venv/bin/python"], proc.stderr
