@@ -197,12 +197,10 @@ def test_a_sync_in_wait_mode_starts_its_broadcast_only_once_the_engines_finished
         ray_cluster, engines, policy, weight_sync, tiny_model_path):
     """The pause completes before any collective begins: a long request running on the old weights ends before
     trainer rank 0 starts broadcasting (a drain inside the broadcast could trip NCCL's watchdog on a GPU)."""
+    from test_engine import hold_steps, wait_for_running_tokens
     from test_weight_sync import _prompt_ids
 
     prompt = _prompt_ids(tiny_model_path, 1)[0]
-
-    def tokens_so_far(actor):  # what vLLM has produced for the requests it is running
-        return sum(s.detokenizer.num_output_tokens() for s in actor.engine.output_processor.request_states.values())
 
     def last_span(kind):  # (start, end) of the engine's last span of this kind
         return ray.get(engines[0].__ray_call__.remote(
@@ -214,25 +212,18 @@ def test_a_sync_in_wait_mode_starts_its_broadcast_only_once_the_engines_finished
         started.append(time.time())
         return send(members, version)
 
-    for attempt in range(3):
-        running = engines[0].generate.remote(prompt, {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True},
-                                              f"drain-{attempt}")
-        deadline = time.time() + 60
-        while not ray.get(engines[0].__ray_call__.remote(tokens_so_far)):
-            assert time.time() < deadline, "the request never started"
-            time.sleep(0.01)
-        started.clear()
-        weight_sync._send = timed_send
-        try:
+    weight_sync._send = timed_send
+    try:
+        with hold_steps(engines[:1]):  # the request stops at HELD_AT tokens until the sync's pause reaches vLLM
+            running = engines[0].generate.remote(prompt, {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True},
+                                                  "drain")
+            wait_for_running_tokens(engines[0])
             weight_sync.sync("wait")
-        finally:
-            weight_sync._send = send
-        out = ray.get(running)
-        paused, finished = last_span("sync")[0], last_span("generate")[1]
-        if paused < finished:  # the request was still running when the sync paused the engine: it drained
-            break
-    else:
-        pytest.fail("the request ended before the sync paused the engine, three times: nothing was drained")
+    finally:
+        weight_sync._send = send
+    out = ray.get(running)
+    paused, finished = last_span("sync")[0], last_span("generate")[1]
+    assert paused < finished, "the request was not running when the sync paused the engine: nothing was drained"
     assert len(out["response_ids"]) == 200 and set(out["token_versions"]) == {weight_sync.version - 1}
     assert started and started[0] >= finished, "the broadcast began while the engine was still draining"
 
@@ -315,29 +306,30 @@ def test_a_drain_longer_than_the_sync_timeout_is_no_hang_and_keeps_every_engine(
     """Async mode drains the engines before a sync ("wait"). A drain of long responses takes longer than
     --vllm.sync_timeout, yet the engines make progress all along: none is killed, the sync completes, and every
     request ends whole on the old weights."""
+    from test_engine import HELD_AT, hold_steps, wait_for_running_tokens
     from test_weight_sync import _prompt_ids
 
     sync = short_sync()
-    # The drain (most of the sync's time) must outlast the 3 s timeout by half of it again. It lasts as long as vLLM's
-    # running batch (--vllm.max_num_seqs requests, more wait outside it) takes to write 220 tokens: 5.5 to 7.9 s with
-    # 512 requests an engine on this project's machines, 1024 and 2048 no longer. Again if a run was too quick.
-    for attempt in range(3):
-        old = sync.version
-        refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 512, 220, f"long-drain-{attempt}")
-        start = time.time()
-        sync.sync("wait")
-        took = time.time() - start
+    old, step_delay = sync.version, 0.05
+    # Each engine's request stops at HELD_AT tokens until the sync's pause reaches its vLLM, then takes step_delay
+    # seconds more a token: its drain of 220 - HELD_AT tokens outlasts the 3 s timeout three times over however fast
+    # the machine, its count of tokens moving all along (a slower machine only lengthens it).
+    drain_s = (220 - HELD_AT - 1) * step_delay
+    assert drain_s > 3 * sync.timeout
+    prompt = _prompt_ids(tiny_model_path, 1)[0]
+    sampling = {"temperature": 1.0, "max_tokens": 220, "ignore_eos": True}
+    with hold_steps(engines, step_delay=step_delay):
+        refs = [e.generate.remote(prompt, sampling, f"long-drain-{k}") for k, e in enumerate(engines)]
+        for engine in engines:
+            wait_for_running_tokens(engine)
+        took = sync.sync("wait")
         outs = ray.get(refs)
-        print(f"drain and sync took {took:.1f} s against a sync timeout of {sync.timeout:g} s")
-        assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
-        assert all(ray.get(e.get_weight_version.remote()) == old + 1 for e in engines)
-        # Drained, not frozen: each request whole on the weights it started with.
-        assert all(len(o["response_ids"]) == 220 and len(set(o["token_versions"])) == 1 for o in outs)
-        if took > 1.5 * sync.timeout:
-            break
-    else:
-        pytest.fail(f"the drain ({took:.1f} s) was too short to test anything, three times")
-    assert sync.drain_frozen == 0
+    print(f"drain and sync took {took:.1f} s against a sync timeout of {sync.timeout:g} s")
+    assert sync.engines_dropped == 0 and len(sync.members) == 2 and sync.version == old + 1
+    assert all(ray.get(e.get_weight_version.remote()) == old + 1 for e in engines)
+    # Drained, not frozen: each request whole on the weights it started with.
+    assert all(len(o["response_ids"]) == 220 and set(o["token_versions"]) == {old} for o in outs)
+    assert took >= drain_s and sync.drain_frozen == 0
 
 
 def test_a_drain_past_its_bound_freezes_the_running_requests_which_go_on_with_the_new_weights(

