@@ -103,6 +103,19 @@ def test_carry_slip_teacher():
     assert _teacher_rows(easy, 1.0, random.Random(0)) == easy
 
 
+def test_the_embedded_tokenizers_keep_every_printable_character_spaces_included():
+    from openrlhf_async.models.tiny import embedded_model
+
+    # AutoTokenizer loads a qwen2 folder as Qwen2Tokenizer (byte-level): text tasks must reach the model intact.
+    text = "How many 'a' in \"a b\"? {x: [1, 2]} ~`|\\"
+    for name in ("tiny-qwen2", "tiny-qwen2-rm"):
+        tok = AutoTokenizer.from_pretrained(embedded_model(name))
+        ids = tok.encode(text)
+        assert len(ids) == len(text) and tok.unk_token_id not in ids, name
+        assert tok.decode(ids) == text
+        assert tok.encode("12+34=") == [tok.convert_tokens_to_ids(c) for c in "12+34="]  # the trained ids
+
+
 def test_cache_reuses_folder(model_dir):
     cache_dir = os.path.dirname(model_dir)
     mtime = os.path.getmtime(os.path.join(model_dir, "model.safetensors"))
@@ -158,8 +171,8 @@ def test_the_embedded_models_are_the_shipped_bytes_and_a_changed_copy_is_refused
     assert build_tiny_reward_model(str(tmp_path / "cache")) == os.path.join(tiny.EMBEDDED_DIR, "tiny-qwen2-rm")
     assert not (tmp_path / "cache").exists()
     assert EMBEDDED_DIGESTS == {
-        "tiny-qwen2": "e5ed56e869df5845ff009f00624e2f35596485727d4fb4d25c05852965d7b519",
-        "tiny-qwen2-rm": "79eed296aaf897650c874cf8df83843cd6d5ec5e0cb51d38bc6431b7e6e21469"}
+        "tiny-qwen2": "4dff33713594ff4e0fb7ad1c66135c3a75e5e890fa2343d9807473024525d8ed",
+        "tiny-qwen2-rm": "7ec8d169aa1120f1bfdf38590785f65392e9bf050b3ad514383ab9643bb93326"}
     for name, digest in EMBEDDED_DIGESTS.items():
         assert folder_digest(os.path.join(tiny.EMBEDDED_DIR, name)) == digest
     # A copy whose weights changed by one byte is refused in one line naming the folder and the fix.

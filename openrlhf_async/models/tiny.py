@@ -20,7 +20,7 @@ import tempfile
 import time
 
 import torch
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from openrlhf_async.data.synthetic import (
@@ -34,7 +34,9 @@ from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS
 
 PAD, EOS, UNK, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|unk|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]
-CHARS = [chr(i) for i in range(32, 127)]  # printable ASCII, one token per character
+# Printable ASCII, one token per character, spelled in the byte-level alphabet (a space is "\u0120"): transformers
+# loads a qwen2 folder's tokenizer as Qwen2Tokenizer, whose byte-level pre-tokenizer would drop a plain " " token.
+CHARS = ["\u0120"] + [chr(i) for i in range(33, 127)]
 
 # One token opens each turn, so "12+34=" templates to 8 tokens.
 CHAT_TEMPLATE = (
@@ -46,13 +48,13 @@ CHAT_TEMPLATE = (
 )
 
 # Bump when the build recipe changes so stale caches are not reused.
-BUILD_VERSION = 2
+BUILD_VERSION = 3  # 3: the byte-level alphabet, so spaces survive Qwen2Tokenizer
 
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
 # sha256 of each shipped folder (folder_digest): the default policy and reward model, the same bytes everywhere.
 EMBEDDED_DIGESTS = {
-    "tiny-qwen2": "e5ed56e869df5845ff009f00624e2f35596485727d4fb4d25c05852965d7b519",
-    "tiny-qwen2-rm": "79eed296aaf897650c874cf8df83843cd6d5ec5e0cb51d38bc6431b7e6e21469",
+    "tiny-qwen2": "4dff33713594ff4e0fb7ad1c66135c3a75e5e890fa2343d9807473024525d8ed",
+    "tiny-qwen2-rm": "7ec8d169aa1120f1bfdf38590785f65392e9bf050b3ad514383ab9643bb93326",
 }
 
 DEFAULT_SETTINGS = dict(
@@ -74,9 +76,10 @@ DEFAULT_SETTINGS = dict(
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    # BPE with no merges and no pre-tokenizer = pure character split; Fuse joins chars back on decode.
+    # BPE with no merges over the byte-level alphabet = one token per character, as Qwen2Tokenizer splits it too.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
