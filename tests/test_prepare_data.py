@@ -188,10 +188,11 @@ def test_the_loader_and_tokenizer_read_the_prepared_file(tmp_path, tiny_model_pa
                                  {"role": "user", "content": "Find x if 2x = 4.\n\nAnswer:"}]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     prompts = tokenize_prompts(tokenizer, rows, apply_chat_template=True)
-    # The tiny template has no system role: it renders the system turn as a user turn (and drops whitespace).
-    assert tokenizer.decode(prompts[0]["prompt_ids"]) == "<|user|>Bebrief.<|user|>Findxif2x=4.Answer:<|assistant|>"
+    # The tiny template has no system role: it renders the system turn as a user turn; its alphabet is printable ASCII,
+    # so the newlines are dropped and the spaces kept.
+    assert tokenizer.decode(prompts[0]["prompt_ids"]) == "<|user|>Be brief.<|user|>Find x if 2x = 4.Answer:<|assistant|>"
     plain = tokenize_prompts(tokenizer, rows, apply_chat_template=False)
-    assert tokenizer.decode(plain[0]["prompt_ids"]) == "Bebrief.Findxif2x=4.Answer:"
+    assert tokenizer.decode(plain[0]["prompt_ids"]) == "Be brief.Find x if 2x = 4.Answer:"
 
 
 def test_bad_jsonl_lines_are_skipped_and_counted_not_fatal(tmp_path):
