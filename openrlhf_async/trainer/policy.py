@@ -211,6 +211,11 @@ class PolicyActor:
             enable_full_determinism(seed)
         if backend == "gloo":
             make_collectives_synchronous()
+            # DeepSpeed compiles a shared-memory all-reduce at every CPU start for inference only (training never uses
+            # it); a build killed midway leaves torch's lock file behind and every later start waits on it for ever.
+            import deepspeed.comm.torch
+
+            deepspeed.comm.torch.build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend=backend)
         self.rank, self.world_size, self.zero_stage = rank, world_size, ds["zero_stage"]
         ds_config = deepspeed_config(ds, optim["max_norm"])
