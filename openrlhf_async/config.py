@@ -351,12 +351,18 @@ class AgentConfig:
                                                  "episodes run against the engine's OpenAI endpoint (which then "
                                                  "listens on --agent.openai_host) and its tasks' rewards score them; "
                                                  "without --data.prompt_dataset its tasks are the prompts", type=str)
-    verifiers_args: str = setting("{}", "--agent.verifiers_env: its config (taskset, harness, agent, env "
-                                        "settings) as a JSON object, merged over {\"agent\": {\"runtime\": "
-                                        "{\"type\": \"subprocess\"}}}")
-    sandbox: str = setting("bwrap", "how agents' tools run model-written code: bwrap (operating-system isolation "
-                                    "with bubblewrap; refuses to run the code where it is missing) or unsafe (no "
-                                    "isolation: accept the risk that model code reads and writes what the engine can)",
+    verifiers_args: str = setting("{}", "--agent.verifiers_env: its config (taskset, seats, env settings) as a "
+                                        "JSON object, merged over what the project sets in every seat (the "
+                                        "subprocess runtime, sandboxed per --agent.sandbox, and for a seat without a "
+                                        "harness of the environment's own the in-process chat harness): {\"<seat>\": "
+                                        "{...}} addresses a seat by its name (`agent` for a plain taskset)")
+    verifiers_max_tasks: int = setting(1000, "--agent.verifiers_env: its first N tasks are the prompts (an endless "
+                                             "taskset is read this far); the dry run and every engine read them all "
+                                             "at start and hold them", range=">= 1", most=100_000)
+    sandbox: str = setting("bwrap", "how agents' tools and verifiers environments' runtimes run model-written code: "
+                                    "bwrap (operating-system isolation with bubblewrap; refuses to run the code where "
+                                    "it is missing) or unsafe (no isolation: accept the risk that model code reads "
+                                    "and writes what the engine can)",
                            choices=("bwrap", "unsafe"))
 
 
@@ -432,9 +438,11 @@ class DataConfig:
     prompt_probs: Optional[str] = setting(None, "sampling probabilities of the comma-separated datasets (0.7,0.3)",
                                           type=str, openrlhf="same")
     prompt_split: str = setting("train", "dataset split (name@split overrides it)", openrlhf="same")
-    input_key: str = setting("input", "the dataset field holding the prompt", openrlhf="same")
-    label_key: Optional[str] = setting(None, "the dataset field holding the label the reward checks against; none: "
-                                             "no label", type=str, openrlhf="same")
+    input_key: str = setting("input", "the dataset field holding the prompt; a dotted key names a nested field",
+                             openrlhf="same")
+    label_key: Optional[str] = setting(None, "the dataset field holding the label the reward checks against, dotted "
+                                             "for a nested one (veRL's reward_model.ground_truth); none: no label",
+                                       type=str, openrlhf="same")
     input_template: Optional[str] = setting(None, "template of a prompt without the chat template, with {} for the "
                                                   "prompt", type=str, openrlhf="same")
     apply_chat_template: bool = setting(False, "format prompts with the tokenizer's chat template", openrlhf="same")
@@ -546,7 +554,8 @@ class AlgoConfig:
 class RewardConfig:
     remote_url: Optional[str] = setting(None, "reward source scoring each finished episode instead of the agent's "
                                               "own reward: reward service URL(s) (comma-separated, POST /score) or "
-                                              "an OpenRLHF reward_func .py file", type=str, openrlhf="same")
+                                              "a .py file with an OpenRLHF reward_func or veRL's compute_score",
+                                        type=str, openrlhf="same")
     model_name_or_path: Optional[str] = setting(None, "reward model(s) in OpenRLHF's format (a causal LM body with a "
                                                       "one-output head), comma-separated: each scores every finished "
                                                       "episode's text, their rewards add up (and add to "

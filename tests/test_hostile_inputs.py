@@ -223,7 +223,7 @@ def test_tokenised_prompts_without_room_are_skipped_and_counted_not_fatal(capsys
     assert len(marked) == 4 and [bool(p.get("too_long")) for p in marked] == [False, True, False, True]
     assert capsys.readouterr().err.strip() == ("warning: --data.prompt_dataset: skipped 2 of 4 prompts that leave no "
                                                "room for a response within --data.max_len 10 (the first is prompt 1, "
-                                               "of 10 tokens)")
+                                               "of 10 tokens; the longest has 12)")
     assert [p["label"] for p in skip_unfit_prompts(prompts, 10, "--eval.dataset", mark=False)] == ["3", "4"]
     # The sampler passes over the marked ones: their positions are used up without a group, and listed as skipped.
     sampler = PromptSampler(marked, seed=0)
@@ -231,8 +231,39 @@ def test_tokenised_prompts_without_room_are_skipped_and_counted_not_fatal(capsys
     assert set(drawn) == {"3", "4"}
     assert len(sampler.take_skipped()) == sampler.position - 6
     with pytest.raises(ConfigError, match=r"^--data.prompt_dataset: all 4 prompts leave no room for a response within "
-                                          r"--data.max_len 3 \(the first is prompt 0, of 3 tokens\); raise"):
+                                          r"--data.max_len 3 \(the first is prompt 0, of 3 tokens; the longest has "
+                                          r"12\); raise"):
         skip_unfit_prompts(prompts, 3, "--data.prompt_dataset", mark=True)
+
+
+def _prompts_file(tmp_path, lengths) -> str:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "7" * n, "label": "7"}) + "\n" for n in lengths))
+    return str(path)
+
+
+@pytest.mark.parametrize("lengths, expected", [
+    # A sample (the first 256 and 64 more spread over the rest) of a large set: the chat template adds 2 tokens.
+    ([300 + i % 50 for i in range(1000)], "error: --data.prompt_dataset: all 320 prompts a dry run tokenised (of 1000) "
+     "leave no room for a response within --data.max_len 256 (the first is prompt 0, of 302 tokens; the longest has "
+     "351); raise --data.max_len or give shorter prompts"),
+    # A small set, tokenised whole: the start's own refusal.
+    ([300, 303, 301], "error: --data.prompt_dataset: all 3 prompts leave no room for a response within --data.max_len "
+     "256 (the first is prompt 0, of 302 tokens; the longest has 305); raise --data.max_len or give shorter prompts"),
+])
+def test_a_dry_run_refuses_prompts_none_of_which_fits_max_len_as_the_start_would(tmp_path, capsys, lengths, expected):
+    assert dry_run(tmp_path, "--data.prompt_dataset", _prompts_file(tmp_path, lengths)) == 2
+    assert one_error_line(capsys) == expected
+
+
+def test_a_dry_run_passes_prompts_that_fit_and_counts_a_few_that_do_not(tmp_path, capsys):
+    assert dry_run(tmp_path, "--data.prompt_dataset", _prompts_file(tmp_path, [20] * 1000)) == 0
+    assert "leave no room" not in capsys.readouterr().err
+    lengths = [300 if i % 10 == 3 else 20 for i in range(1000)]
+    assert dry_run(tmp_path, "--data.prompt_dataset", _prompts_file(tmp_path, lengths)) == 0
+    assert "warning: --data.prompt_dataset: 32 of the 320 prompts a dry run tokenised (of 1000) leave no room for a " \
+           "response within --data.max_len 256 (the first is prompt 3, of 302 tokens; the longest has 302); the " \
+           "start skips such prompts" in capsys.readouterr().err
 
 
 def test_labels_of_odd_types_are_skipped_and_counted_not_turned_into_text(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Input past what its use can take (an attacker's report, 2026-11-27): reasoning-gym sets too large, too slow or of
 huge questions, an endless verifiers taskset, JSON nested 200k deep, a memory plan past the machine's memory, model
 and LoRA-target flags naming nothing, and the semaphores of a reward worker pool killed outright. Each is refused in
-one line naming the flag or file before any actor starts, or cleaned up at the next start."""
+one line naming the flag or file before any actor starts, read only as far as its bound (the taskset), or cleaned up
+at the next start."""
 
 import json
 import os
@@ -68,7 +69,7 @@ def test_a_set_of_huge_questions_is_refused_from_the_probe_by_its_memory(tmp_pat
                               "take ") and "past the 1 GiB bound" in message and "\n" not in message, message
 
 
-# 2. verifiers: a taskset is read up to a bound.
+# 2. verifiers: a taskset is read up to its bound (--agent.verifiers_max_tasks).
 
 ENDLESS = """
 import itertools
@@ -98,16 +99,21 @@ class EndlessTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
 
 
 @pytest.mark.parametrize("flagged", [False, True])
-def test_an_endless_verifiers_taskset_is_refused_in_one_line(tmp_path, flagged):
-    from openrlhf_async.agent import AgentFileError
-    from openrlhf_async.agent.verifiers_env import VerifiersAgent, load_env, prompt_rows
-
+def test_an_endless_verifiers_taskset_is_read_as_far_as_its_bound(tmp_path, capsys, flagged):
+    # Whether or not it says it is INFINITE: the first --agent.verifiers_max_tasks tasks, in the dry run as in a run.
     path = user_file(tmp_path, "vf_endless.py", ENDLESS.replace("FLAGGED", str(flagged)))
-    for read in (lambda: prompt_rows(load_env(path)), lambda: VerifiersAgent(path)):
-        with pytest.raises(AgentFileError) as e:
-            read()
-        assert str(e.value).startswith("--agent.verifiers_env: its taskset yields more than 100000 tasks"), e.value
-        assert "\n" not in str(e.value)
+    assert dry_run(tmp_path, "--agent.verifiers_env", path, "--agent.verifiers_max_tasks", "5") == 0
+    report = json.JSONDecoder().raw_decode(capsys.readouterr().out)[0]  # then the summary line
+    assert report["datasets"]["train_rows"] == 5 and report["config"]["agent"]["verifiers_max_tasks"] == 5
+
+
+def test_an_endless_verifiers_taskset_reads_the_default_bound(tmp_path, capsys):
+    from openrlhf_async.agent.verifiers_env import VerifiersAgent
+
+    path = user_file(tmp_path, "vf_endless.py", ENDLESS.replace("FLAGGED", "True"))
+    assert dry_run(tmp_path, "--agent.verifiers_env", path) == 0
+    assert json.JSONDecoder().raw_decode(capsys.readouterr().out)[0]["datasets"]["train_rows"] == 1000
+    assert len(VerifiersAgent(path, max_tasks=7).tasks) == 7  # an engine reads as far
 
 
 # 3. JSON nested past a bound is refused before it is parsed.

@@ -19,13 +19,15 @@ from openrlhf_async.trainer.pipeline import training_samples
 
 # The tiny model's template, with an assistant's tool calls written as <tool_call>{json}</tool_call> (the hermes
 # parser's form; vLLM renders the arguments as compact JSON) and, as Qwen3's template does, the thinking of assistant turns before the last user turn dropped.
+# The tool call rendered as the agent's regex holds the model to (compact JSON: the tiny tokenizer keeps spaces), so a
+# conversation that goes on after it extends the sampled tokens.
 TOOL_TEMPLATE = (
     "{% set ns = namespace(last_user=0) %}"
     "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'assistant' %}" + ASSISTANT +
     "{% if m.get('tool_calls') %}{% for tc in m['tool_calls'] %}"
-    "<tool_call>{\"name\":\"{{ tc['function']['name'] }}\",\"arguments\":{{ tc['function']['arguments'] | tojson }}}"
+    "<tool_call>{\"name\":\"{{ tc['function']['name'] }}\",\"arguments\":{{ tc['function']['arguments'] | tojson | replace(': ', ':') | replace(', ', ',') }}}"
     "</tool_call>{% endfor %}"
     "{% elif loop.index0 < ns.last_user %}{{ (m['content'] or '').split('</think>')[-1] }}"
     "{% else %}{{ m['content'] or '' }}{% endif %}" + EOS +

@@ -61,3 +61,53 @@ def test_a_dry_run_with_reasoning_gym_tasks_passes_and_an_unknown_task_fails(tmp
 
     assert run_cli(tmp_path, "--data.reasoning_gym", "chain_sum", "--data.reasoning_gym_size", "30", "--dry_run") == 0
     assert run_cli(tmp_path, "--data.reasoning_gym", "no_task", "--dry_run") != 0
+
+
+# Tasks whose entries carry no answer (None: many are right) and no example of one: their scorers play the model's
+# moves, and there is no correct plan at hand to play.
+NO_GOLD = {"boxnet": "answer None, and no example plan in its metadata (its scorer carries the boxes out)",
+           "rush_hour": "answer None, and no example solution in its metadata (only min_moves)"}
+# Tasks whose answer is None but whose metadata holds one right answer among many.
+EXAMPLE = {"graph_color": lambda m: json.dumps(m["possible_answer"]),
+           "propositional_logic": lambda m: m["example_answer"],
+           "rubiks_cube": lambda m: m["example_correct_answer"]}
+
+
+def test_every_tasks_gold_answer_scores_1_through_the_reward_a_run_uses():
+    import asyncio
+
+    import reasoning_gym
+    from reasoning_gym.composite import DatasetSpec
+    from reasoning_gym.factory import DATASETS
+
+    from openrlhf_async.data.reasoning_gym_tasks import INSTRUCTION, rows
+    from openrlhf_async.reward import reasoning_gym_reward
+    from openrlhf_async.reward.sources import load_reward_func
+
+    names = sorted(set(DATASETS) - {"composite"} - set(NO_GOLD))
+    made = rows(names, 3, 0)  # what the child process of a start writes, a question's entry as its JSON label
+    # composite mixes other tasks (--data.reasoning_gym's comma does too): its entries go to their own task's scorer.
+    mixed = reasoning_gym.create_dataset("composite", size=4, seed=0, datasets=[
+        DatasetSpec("arc_agi", 1, {}), DatasetSpec("rearc", 1, {}), DatasetSpec("chain_sum", 1, {})])
+    made += [{"prompt": f"{e['question']}\n{INSTRUCTION}", "label": reasoning_gym_reward.entry_label(e)} for e in mixed]
+    queries, prompts, labels, sources = [], [], [], []
+    for row in made:
+        entry = reasoning_gym_reward.entry_of(row["label"])
+        source = entry["metadata"]["source_dataset"]
+        gold = EXAMPLE[source](entry["metadata"]) if source in EXAMPLE else entry["answer"]
+        assert row["prompt"].endswith(INSTRUCTION) and isinstance(gold, str), (source, gold)
+        # As the prompt asks: the answer, multi-line ones (ARC's grids) too, in \boxed{}, then the end of turn.
+        queries.append(f"{row['prompt']}Let me work it out.\n\\boxed{{{gold}}}<|im_end|>")
+        prompts.append(row["prompt"])
+        labels.append(row["label"])
+        sources.append(source)
+    reward = load_reward_func(reasoning_gym_reward.__file__)  # as --data.reasoning_gym's run loads it
+    results = asyncio.run(reward.score(queries, prompts, labels))
+    asyncio.run(reward.close())
+    below = {f"{source} (row {i})": r["reward"] for i, (source, r) in enumerate(zip(sources, results))
+             if r["reward"] != 1}
+    assert not below, below
+    assert all(reasoning_gym_reward.entry_of(reasoning_gym_reward.entry_label(e)) == e for e in mixed)  # tuples kept
+    assert set(sources) == set(names) and len(results) == 3 * len(names) + 4
+    for name in NO_GOLD:  # still no answer to give: else it belongs above
+        assert reasoning_gym.create_dataset(name, size=1, seed=0)[0]["answer"] is None, name

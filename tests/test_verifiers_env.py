@@ -82,7 +82,7 @@ class FollowUpEnv(vf.Env[FollowUpEnvConfig]):
 
 
 def test_an_environments_tasks_are_the_prompts_with_their_index_as_the_label(tmp_path):
-    rows = prompt_rows(load_env(user_file(tmp_path, "vf_sums.py", SINGLE_TURN)))
+    rows = prompt_rows(load_env(user_file(tmp_path, "vf_sums.py", SINGLE_TURN)), 100)
     assert rows[0] == {"prompt": "10+3=", "label": "0"} and len(rows) == 8 and rows[-1]["label"] == "7"
 
 

@@ -85,6 +85,10 @@ class StepResult:
     extra_info: dict = field(default_factory=dict)
     score: Optional[float] = None  # what the filter reads (OpenRLHF's "scores"); None: the episode's summed reward
     sampling_params: dict = field(default_factory=dict)  # vLLM settings for the episode's next turns; {}: as before
+    # An OpenAI-API agent's reward per session (the X-Session-ID header its calls carried, as verifiers sends its
+    # trace's id): {session: (seat, reward)}; each session's calls train on its reward, and calls of a session left
+    # out are not trained. None: every call trains on the episode's reward.
+    sessions: Optional[dict] = None
 
 
 def _import_file(path: str):
@@ -284,5 +288,8 @@ def load_agent(path: str = "", workers: int = 0):
     if callable(run):
         raise AgentFileError(f"--train.agent_func_path {path}: run must be `async def run(client, model, prompt, "
                              "label, **info)` (the OpenAI client's calls are awaited)")
+    if callable(getattr(module, "compute_score", None)) or callable(getattr(module, "reward_func", None)):
+        raise AgentFileError(f"--train.agent_func_path {path}: is a reward file (compute_score or reward_func), not an "
+                             f"agent; pass it as --reward.remote_url {path}")
     raise AgentFileError(f"--train.agent_func_path {path}: defines none of step, AgentExecutor and run; expected "
                          f"{CONTRACT}")

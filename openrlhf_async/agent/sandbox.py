@@ -318,10 +318,11 @@ def _user_namespace(fds: list) -> tuple:
     return ["--userns", str(fd), "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"], drop
 
 
-def _bwrap_command(fds: list, disk_bytes: int) -> list:
-    """The bwrap command line up to the program; fds: [the code's memfd, the seccomp filter's], to which namespace
-    descriptors are added."""
-    code_fd, filter_fd = fds[:2]
+def _bwrap_command(fds: list, disk_bytes: int, workdir: str = None, env: dict = None) -> list:
+    """The bwrap command line up to the program; fds: [the code's memfd, the seccomp filter's] (with workdir: [the
+    filter's]), to which namespace descriptors are added. workdir: a host folder bound writable as the working dir
+    (run_command_async) in place of the tmpfs holding the code; env: variables set beside _env's."""
+    code_fd, filter_fd = (None, fds[0]) if workdir else fds[:2]
     userns, drop = _user_namespace(fds)
     command = [*userns, "--unshare-pid", "--unshare-net", "--unshare-ipc",
                "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
@@ -345,13 +346,24 @@ def _bwrap_command(fds: list, disk_bytes: int) -> list:
     for path in PROC_MASKED:  # as container runtimes mask them: the host's keys, kernel memory and timers
         if os.path.exists(path):  # the same kernel: what the host's /proc has, the sandbox's has
             command += ["--ro-bind", "/dev/null", path]
-    command += ["--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", ROOT,
-                "--file", str(code_fd), f"{ROOT}/main.py"]
-    if not any(d == "/tmp" or d.startswith("/tmp/") for d in python_dirs):
-        command += ["--symlink", ROOT, "/tmp"]  # else /tmp holds the interpreter's folder, read-only; TMPDIR is ROOT
-    command += ["--remount-ro", "/dev", "--remount-ro", "/",  # the only writable place left is the tmpfs
-                "--chdir", ROOT, "--clearenv"]
-    for name, value in _env(ROOT).items():
+    tmp_free = not any(d == "/tmp" or d.startswith("/tmp/") for d in python_dirs)  # else /tmp holds the interpreter
+    if workdir is None:
+        command += ["--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", ROOT,
+                    "--file", str(code_fd), f"{ROOT}/main.py"]
+        command += ["--symlink", ROOT, "/tmp"] if tmp_free else []  # else read-only; TMPDIR is ROOT
+    else:  # the folder's own parents, made in the sandbox's root as the interpreter's are
+        parents = [os.path.dirname(workdir)]
+        while parents[-1] != "/":
+            parents.append(os.path.dirname(parents[-1]))
+        command += ["--dev", "/dev"]
+        command += ["--perms", "0777", "--size", str(disk_bytes), "--tmpfs", "/tmp"] if tmp_free else []
+        for parent in reversed(parents[:-1]):
+            command += ["--perms", "0755", "--dir", parent]
+        command += ["--bind", workdir, workdir]
+    home = workdir or ROOT
+    command += ["--remount-ro", "/dev", "--remount-ro", "/",  # the only writable places left: the tmpfs, workdir
+                "--chdir", home, "--clearenv"]
+    for name, value in {**_env(home), **(env or {})}.items():
         command += ["--setenv", name, value]
     # The options travel in a descriptor (--args), so bwrap's command line, which the code sees as /proc/1/cmdline,
     # shows no host paths or sandbox set-up.
@@ -493,7 +505,12 @@ async def _read(stream, output: _Output) -> None:
 
 
 async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode: str, audit: bool) -> dict:
-    workdir, cgroup, command, options = _launch(code, timeout, memory_mb, mode, audit)
+    return await _supervise(*_launch(code, timeout, memory_mb, mode, audit), timeout, memory_mb, max_output, mode)
+
+
+async def _supervise(workdir, cgroup, command: list, options: dict, timeout: float, memory_mb: int, max_output: int,
+                     mode: str) -> dict:
+    """Run a launched sandbox to its end or its timeout on the running loop, then release what _launch held."""
     proc = None
     try:
         proc = await asyncio.create_subprocess_exec(*command, **options)
@@ -523,6 +540,52 @@ async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode:
             proc._transport.close()
         out_of_memory = _cleanup(workdir, cgroup, options)
     return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output, memory_mb, out_of_memory)
+
+
+# Sets the limits, then becomes the command (argv: memory bytes, cpu seconds, disk bytes, nproc, open descriptors,
+# then the command): run_command_async's counterpart of PREAMBLE.
+LAUNCHER = r'''
+import os, resource, sys
+
+memory, cpu, disk, nproc, nofile = (int(a) for a in sys.argv[1:6])
+limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, disk), (resource.RLIMIT_CORE, 0),
+          (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_MSGQUEUE, 0)]
+if nproc:  # counted per user: only inside the sandbox's own user namespace is a small number safe
+    limits.append((resource.RLIMIT_NPROC, nproc))
+for which, value in limits:
+    resource.setrlimit(which, (value, value))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+os.umask(0)  # a root engine runs each command as another uid: what one leaves, the next may change
+try:
+    os.execvp(sys.argv[6], sys.argv[6:])
+except OSError as e:
+    sys.stderr.write(f"sandbox: cannot run {sys.argv[6]!r}: {e.strerror}\n")
+    os._exit(127)
+'''
+
+
+def _launch_command(argv: list, workdir: str, env: dict, timeout: float, memory_mb: int, mode: str) -> tuple:
+    """_launch's result for a command run in workdir (which is the caller's: not removed afterwards)."""
+    if any("\0" in text for text in (workdir, *env, *env.values())):  # bwrap's options are NUL-separated
+        raise ValueError("a sandboxed command's folder and environment cannot hold NUL characters")
+    limits = [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(WORKDIR_MB << 20)]
+    launcher = [sys.executable, "-I", "-B", "-c", LAUNCHER]
+    options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
+    if mode != "bwrap":  # RLIMIT_NPROC outside a user namespace counts the user's every process: none is safe
+        command = cgroup.wrap(launcher + [*limits, "0", str(NOFILE), *argv])
+        return None, cgroup, command, {**options, "env": {**_env(workdir), **env}, "cwd": workdir}
+    fds = []
+    try:
+        fds.append(seccomp_fd())
+        command = _bwrap_command(fds, WORKDIR_MB << 20, workdir, env) + launcher + [*limits, str(NPROC), str(NOFILE),
+                                                                                  *argv]
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        cgroup.close()
+        raise
+    return None, cgroup, cgroup.wrap(command), {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
 
 
 _probe_lock = threading.Lock()
@@ -583,6 +646,22 @@ async def run_python_async(code: str, timeout: float = 5.0, memory_mb: int = 512
         await asyncio.to_thread(unavailable_reason, mode)
     mode = _checked_mode(mode)
     return await _run(code, timeout, memory_mb, max_output, mode, audit)
+
+
+async def run_command_async(argv: list, workdir: str, env: dict = None, timeout: float = 60.0, memory_mb: int = 1024,
+                            max_output: int = 1 << 16, mode: str = "") -> dict:
+    """Run a program (argv, found on PATH: the engine's interpreter's folder, then the system's) in the sandbox, in
+    `workdir`, a host folder bound writable as its working dir (HOME too) and the one place beside its /tmp tmpfs
+    where what it writes stays (each file at most WORKDIR_MB): verifiers' runtimes run their commands so
+    (agent/verifiers_runtime.py). The isolation and limits are run_python's, env (a dict) its only variables beside
+    _env's. Returns run_python's dict; raises SandboxUnavailable where it cannot be contained."""
+    mode = mode or sandbox_mode()
+    if mode not in _probed:
+        await asyncio.to_thread(unavailable_reason, mode)
+    mode = _checked_mode(mode)
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", **(env or {})}
+    launched = _launch_command(list(argv), os.path.realpath(workdir), env, timeout, memory_mb, mode)
+    return await _supervise(*launched, timeout, memory_mb, max_output, mode)
 
 
 def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096, mode: str = "",

@@ -1,15 +1,19 @@
 """A `verifiers` environment as the agent (--agent.verifiers_env): verifiers 0.4's `verifiers.v1` API, where an
-environment is a taskset (its tasks, scored by their own @vf.reward functions), a harness (the program that talks to
-the model) and an env (how a task becomes an episode). Its episodes run against the engine's OpenAI endpoint, which
-listens on loopback for them (verifiers forwards the harness's calls through a proxy of its own), each request
-carrying its episode's key in the body (EPISODE_FIELD), so that its tokens are recorded for training as any
-OpenAI-API agent's. Its tasks are the prompt dataset unless --data.prompt_dataset is given (a row's label: the
-task's index).
+environment is a taskset (its tasks, scored by their own @vf.reward functions), its seats (each an AgentConfig field
+of the env's config: `agent` for a plain taskset, `player0`/`player1` or `golfer` for an env of its own: who plays,
+with which harness and runtime) and an env (how a task becomes an episode: which seats play, in what order, how
+their outcome is judged). Its episodes run against the engine's OpenAI endpoint, which listens on loopback for them
+(verifiers forwards the harnesses' calls through a proxy of its own), each request carrying its episode's key in the
+body (EPISODE_FIELD) and its trace's id in verifiers' X-Session-ID header, so that every trace's tokens are recorded
+for training as any OpenAI-API agent's, and trained with that trace's own reward (a seat of a zero-sum game on its
+own payoff, an attempt on its own score). Its tasks are the prompt dataset unless --data.prompt_dataset is given (a
+row's label: the task's index), the first --agent.verifiers_max_tasks of them.
 
 An environment is an installed package's module id (as `verifiers.load_environment` takes it) or a .py file, imported
-as the project imports users' files. The harness runs where the engine runs: verifiers' built-in `bash`/`null` harnesses install their
-programs with `uv` from the network, and its default runtime is a hosted sandbox, so the runtime here is the local
-subprocess one and the harness, for an environment that exports none, the in-process chat loop of
+as the project imports users' files. The harness runs where the engine runs: verifiers' built-in `bash`/`null`
+harnesses install their programs with `uv` from the network, and a seat's default runtime is a hosted sandbox, so
+every seat gets the local subprocess runtime, whose commands run in this project's sandbox (agent/verifiers_runtime.py)
+unless --agent.sandbox unsafe, and a seat with no harness of the environment's own gets the in-process chat loop of
 agent/verifiers_harness.py, unless --agent.verifiers_args says otherwise."""
 
 import copy
@@ -19,10 +23,13 @@ import os
 from openrlhf_async.agent import EPISODE_FIELD, AgentFileError, StepResult
 from openrlhf_async.utils.user_files import check_user_file, import_user_file
 
-TASKS_MAX = 100_000  # tasks read of a taskset: its load() may yield for ever
 KEY_VAR = "OPENRLHF_ASYNC_ENDPOINT_KEY"  # verifiers reads the endpoint's key from an environment variable
 # The in-process harness's id: verifiers takes a plugin id for a top-level module name.
 HARNESS_ID = "openrlhf_async_verifiers_harness"
+NETWORK_HARNESSES = ("bash", "null")  # verifiers' built-ins that install their programs from the network
+# verifiers' errors of the environment's own code (its task's setup, finalize or scoring, its env's hooks) or of its
+# runtime: a trace that ends so has no reward the environment meant.
+ENVIRONMENT_ERRORS = ("TaskError", "EnvError", "SandboxError", "ToolsetError", "InterceptionError", "TunnelError")
 
 
 def module_id(spec: str) -> str:
@@ -43,8 +50,40 @@ def _merged(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_env(spec: str, args: str = "{}"):
-    """The environment of --agent.verifiers_env with --agent.verifiers_args merged into its config."""
+def cause(e: Exception) -> str:
+    """What went wrong, in one line: a pydantic ValidationError's first error (its field and message; its own first
+    line only counts them), else the message's first line."""
+    try:
+        first = e.errors()[0]
+        return f"{type(e).__name__}: {'.'.join(map(str, first['loc'])) or 'config'}: {first['msg']}"
+    except Exception:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def seats(config_cls) -> dict:
+    """The seats of an env config class, in declaration order: {name: its declared AgentConfig} (verifiers makes a
+    seat of every field whose default is an AgentConfig)."""
+    import verifiers.v1 as vf
+
+    return {name: f.default for name, f in config_cls.model_fields.items() if isinstance(f.default, vf.AgentConfig)}
+
+
+def _seat_defaults(declared: dict, default_harness: str) -> dict:
+    """What this project sets in every seat: the subprocess runtime, and the in-process harness where the seat would
+    run one of verifiers' network-installed ones."""
+    out = {}
+    for name, agent in declared.items():
+        harness = agent.harness.id if agent.harness is not None else default_harness
+        out[name] = {"runtime": {"type": "subprocess"},
+                     **({"harness": {"id": HARNESS_ID}} if harness in NETWORK_HARNESSES else {})}
+    return out
+
+
+def load_env(spec: str, args: str = "{}", sandbox: str = "bwrap"):
+    """The environment of --agent.verifiers_env with --agent.verifiers_args merged into its config, checked: every
+    seat's runtime is one this project sandboxes (or --agent.sandbox unsafe), and every seat's harness can serve the
+    tasks (verifiers' own pairing check: tools, containers)."""
     try:
         import verifiers.v1 as vf
     except ImportError as e:
@@ -60,23 +99,51 @@ def load_env(spec: str, args: str = "{}"):
     import importlib
     import sys
 
-    from verifiers.v1.utils.loaders import default_harness_id
+    from verifiers.v1.utils.loaders import default_harness_id, env_config_type
 
     sys.modules.setdefault(HARNESS_ID, importlib.import_module("openrlhf_async.agent.verifiers_harness"))
     taskset = module_id(spec)
-    base = {"taskset": {"id": taskset}, "agent": {"runtime": {"type": "subprocess"}}}
     try:
-        if default_harness_id(taskset) == "bash":  # the environment exports no harness: the in-process one
-            base["agent"]["harness"] = {"id": HARNESS_ID}
+        declared = seats(env_config_type(taskset, str(extra.get("id") or "")))
+        base = {"taskset": {"id": taskset}, **_seat_defaults(declared, default_harness_id(taskset))}
     except Exception as e:
-        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not import it "
-                             f"({type(e).__name__}: {e})") from None
+        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not import it ({cause(e)})") from None
     config = _merged(base, extra)
+    names = ", ".join(declared) or "none"
+    for name in declared:
+        runtime = (config.get(name) or {}).get("runtime") or {}
+        if runtime.get("type", "subprocess") != "subprocess" and sandbox != "unsafe":
+            raise AgentFileError(f"--agent.verifiers_args: seat {name!r} asks for the {runtime['type']} runtime, which "
+                                 "this project's sandbox does not hold; leave the seat's runtime out (the subprocess "
+                                 "runtime, sandboxed with bwrap) or pass --agent.sandbox unsafe")
     try:
-        return vf.load_environment(vf.resolve_env_config(config))
+        env = vf.load_environment(vf.resolve_env_config(config))
     except Exception as e:
-        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not load it "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not load it ({cause(e)}; its seats: "
+                             f"{names}; --agent.verifiers_args addresses them by name)") from None
+    _check_pairing(env, spec)
+    return env
+
+
+def _check_pairing(env, spec: str) -> None:
+    """verifiers' check of each seat's harness against the tasks, at start rather than in every episode."""
+    from verifiers.v1.utils.compile import validate_pairing
+    from verifiers.v1.utils.loaders import load_harness
+
+    task_cls = type(env.taskset).task_type()
+    tools = [*task_cls.toolsets(env.taskset.config.task), *env.taskset.toolsets(env.taskset.config)]
+    for name, harness_config in env.config.agent_harnesses().items():
+        harness = load_harness(harness_config)
+        if tools and not harness.SUPPORTS_MCP:
+            raise AgentFileError(f"--agent.verifiers_env {spec}: its tasks use MCP tools ({len(tools)} tool "
+                                 f"server(s)), which the harness of seat {name!r} ({harness_config.id}) does not "
+                                 "serve (this project's in-process chat harness has no tools); give the seat a "
+                                 "harness of the environment's own that supports MCP (--agent.verifiers_args) or use "
+                                 "tasks without tools")
+        try:
+            validate_pairing(harness, task_cls, getattr(env.config, name).runtime, tools=tools)
+        except ValueError as e:
+            raise AgentFileError(f"--agent.verifiers_env {spec}: seat {name!r}: {cause(e)}") from None
 
 
 def _message(m) -> dict:
@@ -84,28 +151,27 @@ def _message(m) -> dict:
     return {"role": m["role"], "content": m.get("content") or ""}
 
 
-def tasks(env) -> list:
-    """The environment's tasks, at most TASKS_MAX (AgentFileError for more, or for a taskset that says it is
-    infinite), so that an endless one is a line at start rather than a MemoryError."""
+def tasks(env, max_tasks: int) -> list:
+    """The environment's first max_tasks tasks (--agent.verifiers_max_tasks): an endless taskset is read that far and
+    no further, in the dry run and in every engine alike."""
     import itertools
 
-    bounded = getattr(env.taskset, "bounded", True)  # verifiers' own flag: INFINITE, less a view that caps it
-    out = list(itertools.islice(env.taskset, TASKS_MAX + 1)) if bounded else None
-    if out is None or len(out) > TASKS_MAX:
-        raise AgentFileError(f"--agent.verifiers_env: its taskset yields more than {TASKS_MAX} tasks"
-                             f"{'' if bounded else ' (it is INFINITE)'}; bound it (its load(), or a view such as "
-                             ".take(N)) to at most that many")
+    out = list(itertools.islice(env.taskset, max_tasks))
+    if not out:
+        raise AgentFileError("--agent.verifiers_env: its taskset yields no task")
     return out
 
 
-def prompt_rows(env) -> list:
-    """The environment's tasks as prompt rows: {"prompt": text or messages (its system prompt first), "label":
-    the task's index}."""
+def prompt_rows(env, max_tasks: int) -> list:
+    """The environment's tasks as prompt rows: {"prompt": text or messages (its system prompt first), "label": the
+    task's index}. A task without a prompt (its environment opens the conversation) gets a line naming it."""
     rows = []
-    for i, task in enumerate(tasks(env)):
+    for i, task in enumerate(tasks(env, max_tasks)):
         prompt, system = task.data.prompt, getattr(task.data, "system_prompt", None)
+        if not prompt:
+            prompt = f"{task.data.name or task.data.id or f'task {i}'} (the environment opens the conversation)"
         if not isinstance(prompt, str):
-            prompt = [_message(m) for m in prompt or []]
+            prompt = [_message(m) for m in prompt]
         if system:
             prompt = [{"role": "system", "content": system}] + (
                 [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
@@ -113,16 +179,53 @@ def prompt_rows(env) -> list:
     return rows
 
 
+def episode_failure(episode):
+    """verifiers' own error (one line) when an episode is no result: its env's run() or finalize() raised, it ran
+    no agent, or a trace's environment code failed (ENVIRONMENT_ERRORS). None when its rewards are the environment's
+    judgement: a seat that failed on the model's side (a reply past the token budget, a refused request) keeps the
+    outcome the environment gave it, e.g. a forfeit."""
+    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors if e.type in ENVIRONMENT_ERRORS)]
+    if errors:
+        lines = [line.strip() for line in (errors[0].message or "").splitlines() if line.strip()]
+        return f"{errors[0].type}: {lines[0] if lines else 'no message'}"
+    return None if episode.traces else "the environment ran no agent"
+
+
+def episode_result(episode, seat_order: list) -> StepResult:
+    """The episode's rewards as verifiers computed them: each trainable trace's own (`sessions`: its id, which its
+    model calls carried, -> (its seat, its reward)), and as the episode's reward (what the dynamic filter and the
+    logs read) the last trace of the first seat that played. Its traces' numeric metrics and turns are logged."""
+    trainable = [t for t in episode.traces if t.agent.trainable] or list(episode.traces)
+    order = {name: i for i, name in enumerate(seat_order)}
+    first = min((t.agent.name for t in trainable), key=lambda name: order.get(name, len(order)))
+    own = [t for t in trainable if t.agent.name == first][-1]
+    extra = {key: value for key, value in (own.metrics or {}).items() if isinstance(value, (int, float))}
+    extra["turns"] = float(episode.num_turns)
+    if len(seat_order) > 1:  # each seat's mean reward, logged as rollout/extra/reward_<seat>
+        for name in {t.agent.name for t in trainable}:
+            mine = [float(t.reward) for t in trainable if t.agent.name == name]
+            extra[f"reward_{name}"] = sum(mine) / len(mine)
+    reward = float(own.reward)
+    sessions = {t.id: (t.agent.name, float(t.reward)) for t in episode.traces if t.agent.trainable}
+    return StepResult(reward, "", True, extra, reward, sessions=sessions)
+
+
 class VerifiersAgent:
     """An OpenAI-API agent (rollout/endpoint.py: run_openai_episode) whose run is one verifiers episode of the task
-    its label names, scored by the task's rewards (the trace's reward; its metrics logged)."""
+    its label names: each trace's calls train on that trace's reward (episode_result); an episode that failed fails
+    with verifiers' own error (episode_failure)."""
 
     kind = "openai"
     needs_network = True  # the endpoint must listen: verifiers' proxy forwards over HTTP
 
-    def __init__(self, spec: str, args: str = "{}"):
-        self.path, self.env = spec, load_env(spec, args)
-        self.tasks = tasks(self.env)
+    def __init__(self, spec: str, args: str = "{}", max_tasks: int = 1000, sandbox: str = "bwrap",
+                 command_timeout: float = 60.0):
+        from openrlhf_async.agent.verifiers_runtime import install
+
+        install(sandbox, command_timeout)
+        self.path, self.env = spec, load_env(spec, args, sandbox)
+        self.tasks = tasks(self.env, max_tasks)
+        self.seats = list(seats(type(self.env.config)))
         self._serving = None
 
     async def run(self, client, model: str, prompt, label, episode: str = None, base_url: str = None,
@@ -131,6 +234,10 @@ class VerifiersAgent:
 
         import verifiers.v1 as vf
 
+        index = int(label) if str(label).isdigit() else -1
+        if not 0 <= index < len(self.tasks):
+            raise ValueError(f"label {label!r} names no task of --agent.verifiers_env (its first {len(self.tasks)} "
+                             "were read, --agent.verifiers_max_tasks): a label is a task's index")
         if self._serving is None:  # verifiers' proxy and shared tools, for the engine's life
             self._serving = contextlib.AsyncExitStack()
             await self._serving.enter_async_context(self.env.serving())
@@ -138,13 +245,11 @@ class VerifiersAgent:
         engine_url = base_url.split("/episodes/")[0] + "/v1"
         ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=engine_url, api_key_var=KEY_VAR),
                               sampling=vf.Sampling(**{EPISODE_FIELD: episode}))
-        result = await self.env.run_episode(self.tasks[int(label)], ctx)
-        trace = result.traces[-1]
-        if not trace.ok and trace.errors:
-            raise RuntimeError(f"the verifiers episode failed: {trace.errors[0]}")
-        extra = {key: value for key, value in (trace.metrics or {}).items() if isinstance(value, (int, float))}
-        reward = float(trace.reward)
-        return StepResult(reward, "", True, {**extra, "turns": float(trace.num_turns)}, reward)
+        result = await self.env.run_episode(self.tasks[index], ctx)
+        failure = episode_failure(result)
+        if failure:
+            raise RuntimeError(f"the verifiers episode failed: {failure}")
+        return episode_result(result, self.seats)
 
     def close(self):
         pass

@@ -1,8 +1,9 @@
 """A verifiers (v1) harness that runs in the engine's process: a chat loop that sends the task's prompt, and on a
 resumed episode (a multi-turn env's next user turn) the conversation so far, to the model through verifiers'
 endpoint, and returns when the model has answered. verifiers' built-in `bash` and `null` harnesses install their
-programs with `uv` from the network, which a training node may not reach; --agent.verifiers_env uses this one for an
-environment that exports no harness of its own. Tasks with tool servers (MCP toolsets) need a harness of their own."""
+programs with `uv` from the network, which a training node may not reach; --agent.verifiers_env uses this one for a
+seat that has no harness of the environment's own. Tasks with tool servers (MCP toolsets) need a harness of their own:
+--agent.verifiers_env refuses them at start (agent/verifiers_env.py: verifiers' pairing check)."""
 
 import verifiers.v1 as vf
 

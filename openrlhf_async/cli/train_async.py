@@ -53,9 +53,9 @@ def prepare(cfg):
                 raise AgentFileError("--agent.verifiers_env and --train.agent_func_path both give the agent; pass one")
             from openrlhf_async.agent.verifiers_env import load_env, tasks
 
-            verifiers_env = load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args)
-            if cfg.data.prompt_dataset:  # else prompt_rows reads (and bounds) them below, before any engine
-                tasks(verifiers_env)  # an endless taskset is refused here, not in the engines (which read them all)
+            verifiers_env = load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args, cfg.agent.sandbox)
+            if cfg.data.prompt_dataset:  # else prompt_rows reads them below, before any engine
+                tasks(verifiers_env, cfg.agent.verifiers_max_tasks)  # as the engines will: a broken taskset fails here
         else:
             load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
@@ -72,6 +72,8 @@ def prepare(cfg):
     with (tempfile.TemporaryDirectory() if cfg.dry_run else
           contextlib.nullcontext(os.path.join(cfg.run_dir, "data"))) as builtin_dir:
         train_rows, eval_rows = load_datasets(cfg, builtin_dir, verifiers_env)
+    if cfg.dry_run:  # the start tokenises every prompt and refuses a dataset none of which fits --data.max_len
+        check_prompt_lengths(cfg, train_rows, eval_rows)
     resolve_steps(cfg, len(train_rows))
     check_resume_data(cfg, resume, len(train_rows))
     memory_plan.for_config(cfg)  # a run whose trainer ranks or engines cannot fit is refused here
@@ -152,7 +154,7 @@ def load_datasets(cfg, builtin_dir: str, verifiers_env=None):
         os.makedirs(builtin_dir, exist_ok=True)
         cfg.data.prompt_dataset = os.path.join(builtin_dir, "verifiers_tasks.jsonl")
         with open(cfg.data.prompt_dataset, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in prompt_rows(verifiers_env))
+            f.writelines(json.dumps(row) + "\n" for row in prompt_rows(verifiers_env, cfg.agent.verifiers_max_tasks))
         train_keys = "prompt", "label"
     elif not cfg.data.prompt_dataset:
         from openrlhf_async.data.synthetic import write_builtin_task
@@ -169,6 +171,62 @@ def load_datasets(cfg, builtin_dir: str, verifiers_env=None):
         eval_rows = load_prompts(cfg.eval.dataset, *eval_keys, "--eval.dataset", cfg.eval.max_samples,
                                  split=cfg.eval.split, max_len=cfg.data.max_len)
     return train_rows, eval_rows
+
+
+def check_prompt_lengths(cfg, train_rows: list, eval_rows: list) -> None:
+    """A dry run's check of what the start says of the prompts' token lengths, on a sample of each dataset tokenised
+    as the start tokenises them (ConfigError when none fits --data.max_len)."""
+    from transformers.utils import logging
+
+    from openrlhf_async.config import ConfigError
+    from openrlhf_async.data.prompts import check_sample_lengths, dry_run_sample, tokenize_prompts
+
+    tokenizer = dry_run_tokenizer(cfg)
+    if tokenizer is None:
+        return
+    if cfg.data.apply_chat_template and not tokenizer.chat_template:
+        raise ConfigError(f"--data.apply_chat_template: the tokenizer of {cfg.actor.model_name_or_path} has no chat "
+                          "template; leave the flag off (prompts go in as text, through --data.input_template)")
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # its warning of a prompt longer than the model's is said below, in one line
+    try:
+        for rows, where in ((train_rows, "--data.prompt_dataset"), (eval_rows, "--eval.dataset")):
+            picked = dry_run_sample(len(rows))
+            prompts = tokenize_prompts(tokenizer, [rows[i] for i in picked], cfg.data.apply_chat_template,
+                                       cfg.data.input_template)
+            check_sample_lengths(prompts, picked, len(rows), cfg.data.max_len, where)
+    finally:
+        logging.set_verbosity(level)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def dry_run_tokenizer(cfg):
+    """The tokenizer the start would use, as it lies on this machine (None, with a notice, when it is not here)."""
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.config import default_cache_dir, is_gguf, notice
+
+    model, use_fast = cfg.actor.model_name_or_path, not cfg.data.disable_fast_tokenizer
+    if not model:
+        from openrlhf_async.models.tiny import embedded_model
+
+        return AutoTokenizer.from_pretrained(embedded_model("tiny-qwen2"), use_fast=use_fast)
+    if is_gguf(model):  # the start converts the file, keeping this tokenizer
+        from openrlhf_async.models.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(model, default_cache_dir(cfg))
+    why = "is not in its folder"  # transformers makes an empty one of a folder without tokenizer files
+    if not os.path.isdir(model) or any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(model, use_fast=use_fast, local_files_only=True)
+        except (OSError, ValueError) as e:  # a Hub model not downloaded yet, a broken folder: left to the start
+            why = f"does not load ({' '.join(str(e).split())[:160]})" if os.path.isdir(model) else \
+                "is not on this machine"
+    notice(f"--actor.model_name_or_path {model}: its tokenizer {why}, so the dry run did not count the prompts' "
+           "tokens against --data.max_len")
+    return None
 
 
 def resources(cfg) -> dict:

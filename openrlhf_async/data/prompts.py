@@ -118,16 +118,60 @@ def label_text(value) -> str:
     return value if isinstance(value, str) else str(value)
 
 
+_MISSING = object()  # what field() gives for a field the row lacks
+
+# A row's fields that travel with its prompt to a veRL compute_score reward (reward/verl_score.py), as "info".
+ROW_INFO = ("data_source", "extra_info")
+
+
+def field(row: dict, key: str):
+    """row[key]; for a dotted key (reward_model.ground_truth) that is no field of the row, the nested field it
+    names; _MISSING when there is none."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _names(fields: dict, most: int = 20) -> str:
+    names = [" ".join(str(name).split())[:40] for name in fields]  # one line, whatever the field names hold
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more if names else "no field"
+
+
+def _fields_held(row: dict, missing: dict) -> str:
+    """Which flags' keys (missing: flag -> key) a row lacks, the fields it has, and those of the nested field where
+    a missing dotted key stops: what to name instead."""
+    said = [f"no {' or '.join(f'{flag} {key}' for flag, key in missing.items())}: the row has {_names(row)}"]
+    for key in missing.values():
+        value, walked = row, []
+        for part in key.split(".")[:-1]:
+            if not isinstance(value.get(part), dict):
+                break
+            value, walked = value[part], walked + [part]
+        if walked:
+            said.append(f"{'.'.join(walked)} has {_names(value)}")
+    return "; ".join(said)
+
+
 def _bad_row_reason(row, input_key: str, label_key):
     keys = (input_key,) if label_key is None else (input_key, label_key)
-    if not isinstance(row, dict) or any(key not in row for key in keys):
-        return f"has no {' or '.join(map(repr, keys))} field"
-    problem = None if label_key is None else label_problem(row[label_key])
+    if not isinstance(row, dict):
+        return f"has no {' or '.join(map(repr, keys))} field (it is no record)"
+    missing = {flag: key for flag, key in zip(("--data.input_key", "--data.label_key"), keys)
+               if field(row, key) is _MISSING}
+    if missing:
+        return f"has no {' or '.join(map(repr, keys))} field ({_fields_held(row, missing)})"
+    problem = None if label_key is None else label_problem(field(row, label_key))
     if problem == "empty":
         return f"has an empty {label_key!r} field"
     if problem:
         return f"has a {label_key!r} field that is {problem}"
-    if as_prompt(row[input_key]) is None:
+    if as_prompt(field(row, input_key)) is None:
         return f"has a {input_key!r} field that is neither text nor chat messages with a user turn"
     return None
 
@@ -145,8 +189,9 @@ def load_prompts(spec: str, input_key: str, label_key, flag: str, max_samples: i
                  split: str = "train", probs=None, seed: int = 42, max_len: int = None) -> list:
     """Return [{"prompt": str | [{"role", "content"}], "label": str}] from spec's comma-separated datasets (each a
     file, a folder or a Hub id, maybe name@split), concatenated, or mixed with probs (--data.prompt_probs) and seed;
-    at most max_samples from each and in all. label_key None: every label is "". max_len (--data.max_len): rows
-    whose prompt is too long for it by its characters alone are skipped and counted."""
+    at most max_samples from each and in all. The keys may be dotted (field()). label_key None: every label is "".
+    A row's data_source and extra_info fields (ROW_INFO) go along as "info". max_len (--data.max_len): rows whose
+    prompt is too long for it by its characters alone are skipped and counted."""
     names = dataset_names(spec, split, flag)
     probs = mixture_probs(probs, len(names))
     parts = [_usable_rows(read_rows(name, own_split, flag, max_samples), input_key, label_key, f"{flag} {name}",
@@ -168,12 +213,14 @@ def _usable_rows(rows: list, input_key: str, label_key, where: str, max_len: int
             bad += 1
             first_bad = first_bad or (i, reason)
             continue
-        prompt = as_prompt(row[input_key])
+        prompt = as_prompt(field(row, input_key))
         if max_chars and _prompt_chars(prompt) > max_chars:
             too_long += 1
             first_long = first_long if first_long is not None else i
             continue
-        out.append({"prompt": prompt, "label": "" if label_key is None else label_text(row[label_key])})
+        info = {key: row[key] for key in ROW_INFO if row.get(key) is not None}
+        out.append({"prompt": prompt, "label": "" if label_key is None else label_text(field(row, label_key)),
+                    **({"info": info} if info else {})})
     long_text = (f"longer than {max_chars} characters, more than --data.max_len {max_len} tokens can hold (the first "
                  f"is row {first_long})")
     if not out and too_long:
@@ -215,7 +262,8 @@ def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_tem
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
             ids = tokenizer.encode(input_template.format(text) if input_template else text)
         # The prompt as the dataset gave it, for agents written against the OpenAI API (they send the messages).
-        out.append({"prompt_ids": list(ids), "label": row["label"], "prompt": prompt})
+        out.append({"prompt_ids": list(ids), "label": row["label"], "prompt": prompt,
+                    **({"info": row["info"]} if "info" in row else {})})
     return out
 
 
@@ -227,7 +275,7 @@ def skip_unfit_prompts(prompts: list, max_len: int, where: str, mark: bool) -> l
     unfit = [i for i, p in enumerate(prompts) if len(p["prompt_ids"]) >= max_len]
     if not unfit:
         return prompts
-    first = f"the first is prompt {unfit[0]}, of {len(prompts[unfit[0]]['prompt_ids'])} tokens"
+    first = _unfit_detail(prompts, unfit, range(len(prompts)))
     if len(unfit) == len(prompts):
         raise ConfigError(f"{where}: all {len(prompts)} prompts leave no room for a response within --data.max_len "
                           f"{max_len} ({first}); raise --data.max_len or give shorter prompts")
@@ -236,6 +284,41 @@ def skip_unfit_prompts(prompts: list, max_len: int, where: str, mark: bool) -> l
     if mark:
         return [{**p, "too_long": True} if len(p["prompt_ids"]) >= max_len else p for p in prompts]
     return [p for p in prompts if len(p["prompt_ids"]) < max_len]
+
+
+def _unfit_detail(prompts: list, unfit: list, rows) -> str:
+    longest = max(len(prompts[i]["prompt_ids"]) for i in unfit)
+    return (f"the first is prompt {rows[unfit[0]]}, of {len(prompts[unfit[0]]['prompt_ids'])} tokens; the longest has "
+            f"{longest}")
+
+
+DRY_RUN_FIRST, DRY_RUN_SPREAD = 256, 64  # a dry run tokenises the first prompts, and this many spread over the rest
+
+
+def dry_run_sample(n: int) -> list:
+    """The row numbers of the prompts a dry run tokenises: the first DRY_RUN_FIRST, and DRY_RUN_SPREAD more spread
+    evenly over the rest."""
+    rest = range(DRY_RUN_FIRST, n)
+    spread = min(len(rest), DRY_RUN_SPREAD)
+    return list(range(min(n, DRY_RUN_FIRST))) + [rest[i * len(rest) // spread] for i in range(spread)]
+
+
+def check_sample_lengths(prompts: list, rows: list, total: int, max_len: int, where: str) -> None:
+    """What the start (skip_unfit_prompts) would say of a dataset of total prompts, from a dry run's tokenised sample
+    of them (rows: their row numbers): a one-line ConfigError when every one leaves no room for a response, else a
+    warning counting those that leave none."""
+    if len(prompts) == total:  # the whole dataset: the start's own words
+        skip_unfit_prompts(prompts, max_len, where, mark=False)
+        return
+    unfit = [i for i, p in enumerate(prompts) if len(p["prompt_ids"]) >= max_len]
+    if not unfit:
+        return
+    first, tokenised = _unfit_detail(prompts, unfit, rows), f"prompts a dry run tokenised (of {total})"
+    if len(unfit) == len(prompts):
+        raise ConfigError(f"{where}: all {len(prompts)} {tokenised} leave no room for a response within "
+                          f"--data.max_len {max_len} ({first}); raise --data.max_len or give shorter prompts")
+    print(f"warning: {where}: {len(unfit)} of the {len(prompts)} {tokenised} leave no room for a response within "
+          f"--data.max_len {max_len} ({first}); the start skips such prompts", file=sys.stderr, flush=True)
 
 
 class PromptSampler:

@@ -53,8 +53,11 @@ def task_settings(names: list, text: str) -> dict:
 
 
 def rows(names: list, size: int, seed: int, settings: dict = None) -> list:
-    """[{"prompt", "label"}] of size questions per task, the label being the task's entry as JSON."""
+    """[{"prompt", "label"}] of size questions per task, the label being the task's entry as JSON (its tuples kept:
+    reward/reasoning_gym_reward.py entry_label)."""
     import reasoning_gym
+
+    from openrlhf_async.reward.reasoning_gym_reward import entry_label
 
     out = []
     for name in names:
@@ -64,7 +67,7 @@ def rows(names: list, size: int, seed: int, settings: dict = None) -> list:
             raise ValueError(f"--data.reasoning_gym_args for {name}: reasoning-gym refused them "
                              f"({type(e).__name__}: {e})") from None
         for entry in dataset:
-            out.append({"prompt": f"{entry['question']}\n{INSTRUCTION}", "label": json.dumps(entry, default=str)})
+            out.append({"prompt": f"{entry['question']}\n{INSTRUCTION}", "label": entry_label(entry)})
     return out
 
 

@@ -58,13 +58,28 @@ def _tokenizer(where: str, name: str):
     return tokenizer
 
 
+def _folder(path: str, cache_dir: str) -> str:
+    return os.path.join(cache_dir, f"{os.path.splitext(os.path.basename(path))[0]}-{_fingerprint(path)}")
+
+
+def gguf_tokenizer(path: str, cache_dir: str):
+    """The tokenizer of this file's HF folder (a dry run's, which converts nothing): from the folder when converted
+    already, else from the file (slower: it is read whole)."""
+    from transformers import AutoTokenizer
+
+    folder = _folder(path, cache_dir)
+    if os.path.isfile(os.path.join(folder, DONE)):
+        return AutoTokenizer.from_pretrained(folder)
+    return _tokenizer(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+
+
 def hf_folder(path: str, cache_dir: str) -> str:
     """The HF folder of this GGUF file under cache_dir, converted on first use."""
     import torch
     from transformers import AutoModelForCausalLM
 
     stem = os.path.splitext(os.path.basename(path))[0]
-    folder = os.path.join(cache_dir, f"{stem}-{_fingerprint(path)}")
+    folder = _folder(path, cache_dir)
     if os.path.isfile(os.path.join(folder, DONE)):
         return folder
     os.makedirs(cache_dir, exist_ok=True)

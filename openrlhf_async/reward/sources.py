@@ -1,5 +1,6 @@
-"""Reward sources an engine scores finished episodes with: an OpenRLHF reward_func file, a reward service, or the
-reward models' actors (ModelReward; reward/model.py starts them).
+"""Reward sources an engine scores finished episodes with: an OpenRLHF reward_func file (or veRL's compute_score
+file: ScoreReward, reward/verl_score.py), a reward service, or the reward models' actors (ModelReward;
+reward/model.py starts them).
 
 Both answer `await source.score(queries, prompts, labels)` with one `{"reward", "score", "extra"}` per query, as
 OpenRLHF reads a reward_func's answer: "rewards" drive the advantages, "scores" (the rewards when left out) the
@@ -7,12 +8,14 @@ dynamic-sampling filter, and "extra_logs" are logged. `make_reward` picks one fr
 agent's own step reward stands."""
 
 import asyncio
+import functools
 import inspect
 import itertools
 import json
 import math
 import weakref
 
+from openrlhf_async.reward import verl_score
 from openrlhf_async.utils.user_code import UserCodeStalled, UserThreads, UserWorkers
 from openrlhf_async.utils.user_files import import_user_file
 
@@ -24,7 +27,8 @@ ANSWER_BYTES_PER_QUERY = 1 << 20
 
 FUNC_CONTRACT = ("a module-level `reward_func(queries, prompts, labels, **kwargs)` returning "
                  '{"rewards": one number per query, "scores": optional, "extra_logs": optional dict of lists}; '
-                 "with one query (as the engines call it) a number stands for the list")
+                 "with one query (as the engines call it) a number stands for the list; or veRL's "
+                 "`compute_score(data_source, solution_str, ground_truth, extra_info=None)`")
 
 NAMESPACE = "openrlhf_async"  # the reward-model actors' Ray namespace: named per run, found by the engines
 
@@ -110,35 +114,70 @@ def parse_reward_output(out, n: int) -> list:
 class FuncReward:
     """An OpenRLHF reward_func file, called once per batch: an `async def` one on the event loop, a plain `def`
     one off it, in at most max_concurrency threads of its own or, with workers, in worker processes, where a hung
-    call is killed (its timeout then starts when a worker takes it)."""
+    call is killed (its timeout then starts when a worker takes it). what, load: the function's name in messages,
+    and how a worker process loads it (ScoreReward gives its own)."""
 
-    def __init__(self, path: str, func, timeout: float = 30.0, workers: int = 0, max_concurrency: int = 64):
-        self.path, self.func, self.timeout = path, func, timeout
+    reads_info = False  # whether score() takes each sample's response text and row info (rollout's rescored)
+
+    def __init__(self, path: str, func, timeout: float = 30.0, workers: int = 0, max_concurrency: int = 64,
+                 what: str = "reward_func", load=None):
+        self.path, self.func, self.timeout, self.what = path, func, timeout, what
         if inspect.iscoroutinefunction(func):
             self._runner = None
         elif workers:
-            self._runner = UserWorkers(workers, _load_reward_func, (path,), f"reward_func ({path})")
+            self._runner = UserWorkers(workers, load or _load_reward_func, (path,), f"{what} ({path})")
         else:
-            self._runner = UserThreads(func, max_concurrency, f"reward_func in {path}",
-                                       "a thread cannot be killed: fix the hang in reward_func")
+            self._runner = UserThreads(func, max_concurrency, f"{what} in {path}",
+                                       f"a thread cannot be killed: fix the hang in {what}")
 
-    async def score(self, queries: list, prompts: list, labels: list) -> list:
+    async def call(self, *args):
+        """The function's answer to args, within the timeout; its failures as RewardError or RewardTimeout."""
         try:
             if self._runner is None:
-                out = await asyncio.wait_for(self.func(queries, prompts, labels), self.timeout)
-            else:
-                out = await self._runner.call(list(queries), list(prompts), list(labels), timeout=self.timeout)
+                return await asyncio.wait_for(self.func(*args), self.timeout)
+            return await self._runner.call(*args, timeout=self.timeout)
         except asyncio.TimeoutError:
-            raise RewardTimeout(f"reward_func in {self.path} took over {self.timeout:g} s") from None
+            raise RewardTimeout(f"{self.what} in {self.path} took over {self.timeout:g} s") from None
         except UserCodeStalled as e:
             raise RewardError(str(e)) from None
         except Exception as e:
-            raise RewardError(f"reward_func in {self.path} raised {type(e).__name__}: {e}") from e
-        return parse_reward_output(out, len(queries))
+            raise RewardError(f"{self.what} in {self.path} raised {type(e).__name__}: {e}") from e
+
+    async def score(self, queries: list, prompts: list, labels: list) -> list:
+        return parse_reward_output(await self.call(list(queries), list(prompts), list(labels)), len(queries))
 
     async def close(self):
         if self._runner is not None:
             self._runner.close()
+
+
+class ScoreReward(FuncReward):
+    """A veRL compute_score file (reward/verl_score.py), called once per sample: a plain def one in threads or
+    worker processes, an async def one on the event loop."""
+
+    reads_info = True
+
+    def __init__(self, path: str, compute_score, timeout: float = 30.0, workers: int = 0, max_concurrency: int = 64):
+        if inspect.iscoroutinefunction(compute_score):
+            async def rows(*args):
+                return await verl_score.score_rows_async(compute_score, *args)
+        else:
+            rows = functools.partial(verl_score.score_rows, compute_score)
+        super().__init__(path, rows, timeout, workers, max_concurrency, "compute_score", _load_compute_score)
+
+    async def score(self, queries: list, prompts: list, labels: list, responses: list = None,
+                    infos: list = None) -> list:
+        """responses: the model's text per sample (None: each query less its prompt, as a reward service has them);
+        infos: each row's info (None: none)."""
+        if responses is None:
+            responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        infos = [info or {} for info in (infos or [None] * len(queries))]
+        answers = await self.call(list(labels), list(responses), infos)
+        try:
+            out = verl_score.as_reward_output(list(answers), self.path)
+        except ValueError as e:
+            raise RewardError(str(e)) from None
+        return parse_reward_output(out, len(queries))
 
 
 def _load_reward_func(path: str):
@@ -147,12 +186,21 @@ def _load_reward_func(path: str):
     return module.reward_func
 
 
+def _load_compute_score(path: str):
+    """score_rows over the file's compute_score, as a worker process loads it."""
+    module = import_user_file(path, "--reward.remote_url", FUNC_CONTRACT, RewardFileError, "openrlhf_async_reward")
+    return functools.partial(verl_score.score_rows, module.compute_score)
+
+
 def load_reward_func(path: str, timeout: float = 30.0, flag: str = "--reward.func_path", workers: int = 0,
                      max_concurrency: int = 64) -> FuncReward:
+    """The reward file's source: its reward_func (OpenRLHF's), else its compute_score (veRL's)."""
     module = import_user_file(path, flag, FUNC_CONTRACT, RewardFileError, "openrlhf_async_reward")
     func = getattr(module, "reward_func", None)
+    if not callable(func) and callable(getattr(module, "compute_score", None)):
+        return ScoreReward(path, module.compute_score, timeout, workers, max_concurrency)
     if not callable(func):
-        raise RewardFileError(f"{flag} {path}: defines no reward_func; expected {FUNC_CONTRACT}")
+        raise RewardFileError(f"{flag} {path}: defines no reward_func (nor compute_score); expected {FUNC_CONTRACT}")
     return FuncReward(path, func, timeout, workers, max_concurrency)
 
 
@@ -294,9 +342,13 @@ class SumReward:
 
     def __init__(self, sources: list):
         self.sources = sources
+        self.reads_info = any(getattr(s, "reads_info", False) for s in sources)
 
-    async def score(self, queries: list, prompts: list, labels: list) -> list:
-        results = await asyncio.gather(*(s.score(queries, prompts, labels) for s in self.sources))
+    async def score(self, queries: list, prompts: list, labels: list, **context) -> list:
+        """context: each sample's response text and row info, for the sources that read them (reads_info)."""
+        results = await asyncio.gather(*(s.score(queries, prompts, labels,
+                                                 **(context if getattr(s, "reads_info", False) else {}))
+                                         for s in self.sources))
         return [{"reward": sum(r[i]["reward"] for r in results), "score": sum(r[i]["score"] for r in results),
                  "extra": {k: v for r in results for k, v in r[i]["extra"].items()}} for i in range(len(queries))]
 

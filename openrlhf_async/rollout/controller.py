@@ -294,7 +294,7 @@ class RolloutController:
                 record.seed, self.unplaced = derive_seed(self.seed, "order", self.unplaced), self.unplaced + 1
         call = submit(self.engines[engine], "generate_group", prompt["prompt_ids"], prompt["label"], self.n,
                       {**self.sampling, "seed": record.seed}, record.group_id, record.budget, self.agent_path, self.screen_samples, self.filter,
-                      None, prompt.get("prompt"))
+                      None, prompt.get("prompt"), *([prompt["info"]] if prompt.get("info") else []))
         record.call = raising(call) if isinstance(call, Exception) else call  # a refused call: its engine died
         batch.watch(record)
 

@@ -32,8 +32,14 @@ from openrlhf_async.agent import EPISODE_FIELD  # the body field naming a reques
 from openrlhf_async.rollout.episode import Episode, sampled_logprobs
 from openrlhf_async.rollout.seeds import derive_seed
 
-# The open episode a request belongs to, set by the routing middleware for the request's task.
+# The open episode a request belongs to, and its session (SESSION_HEADER), set by the routing middleware for the
+# request's task.
 _EPISODE = contextvars.ContextVar("openrlhf_async_episode", default=None)
+_SESSION = contextvars.ContextVar("openrlhf_async_session", default=None)
+# Which conversation of its episode a request belongs to: verifiers sends its trace's id so (each seat's, each
+# attempt's); an agent's run may give each session its own reward (StepResult.sessions).
+SESSION_HEADER = b"x-session-id"
+SESSION_MAX_CHARS = 128
 _EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.\-]+)(/.*)$")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 ROUTES = (*COMPLETION_PATHS, "/v1/models")  # all an agent needs; vLLM's other routes (admin, metrics, ...) are not served
@@ -69,6 +75,7 @@ class Call:
     logprobs: list
     versions: list
     finish_reason: Optional[str]
+    session: Optional[str] = None  # the request's SESSION_HEADER
 
 
 @dataclass
@@ -126,15 +133,21 @@ def continuation(prompt_ids: list, sequence: list) -> Optional[list]:
     return prompt_ids[len(sequence):] if prompt_ids[: len(sequence)] == sequence else None
 
 
-def episode_from_calls(request_id: str, calls: list) -> Episode:
+def episode_from_calls(request_id: str, calls: list, sessions: Optional[dict] = None) -> Episode:
     """The training record of an episode's completions, token for token. A call whose prompt extends the previous
     call's prompt and completion continues the same sequence (the tokens in between, the environment's, masked out);
     one that does not (a chat template that rewrites history, a new conversation) starts a new segment, which trains
     as a sample of its own with the episode's reward. The Episode's own fields hold the last segment, and
-    `segments` the earlier ones."""
-    segments = []
+    `segments` the earlier ones.
+    sessions (StepResult.sessions): {session: (seat, reward)}. Then each session's calls are sequences of their own
+    (a call continues its session's last one), each segment carries its session's seat and reward (Episode.seat,
+    seat_reward), and calls of a session not in it are left out."""
+    segments, last = [], {}  # last: the newest segment of each session
     for call in calls:
-        current = segments[-1] if segments else None
+        if sessions is not None and call.session not in sessions:
+            continue
+        key = call.session if sessions is not None else None
+        current = last.get(key)
         observation = None if current is None else continuation(call.prompt_ids,
                                                                 current.prompt_ids + current.response_ids)
         if observation is not None:
@@ -143,7 +156,9 @@ def episode_from_calls(request_id: str, calls: list) -> Episode:
             current.action_mask += [0] * len(observation)
             current.token_versions += current.token_versions[-1:] * len(observation)
         else:
-            current = Episode(request_id, list(call.prompt_ids))
+            current = last[key] = Episode(request_id, list(call.prompt_ids))
+            if sessions is not None:
+                current.seat, current.seat_reward = sessions[key]
             segments.append(current)
         current.response_ids += call.token_ids
         current.logprobs += list(call.logprobs)
@@ -152,11 +167,12 @@ def episode_from_calls(request_id: str, calls: list) -> Episode:
         current.finish_reason = call.finish_reason
     if not segments:
         return Episode(request_id, [])
-    last = segments[-1]
-    last.turns = len(calls)
-    last.segments = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "logprobs": s.logprobs,
-                      "action_mask": s.action_mask, "token_versions": s.token_versions} for s in segments[:-1]]
-    return last
+    final = segments[-1]
+    final.turns = len(calls)
+    seated = ("seat", "seat_reward") if sessions is not None else ()
+    final.segments = [{name: getattr(s, name) for name in ("prompt_ids", "response_ids", "logprobs", "action_mask",
+                                                           "token_versions", *seated)} for s in segments[:-1]]
+    return final
 
 
 class _Recorder:
@@ -199,7 +215,7 @@ class _Recorder:
             episode.in_flight.discard(request_id)
         completion = final.outputs[0]
         episode.record(Call(list(final.prompt_token_ids), list(completion.token_ids), sampled_logprobs(completion),
-                            versions, completion.finish_reason))
+                            versions, completion.finish_reason, _SESSION.get()))
         episode.aborted = episode.aborted or completion.finish_reason == "abort"
         yield final
 
@@ -257,9 +273,12 @@ class _Routes:
             except EpisodeRequestError as e:
                 return await _error(send, 400, str(e))
         token = _EPISODE.set(episode)
+        session = dict(scope["headers"]).get(SESSION_HEADER)
+        session_token = _SESSION.set(session.decode("latin-1")[:SESSION_MAX_CHARS] if session else None)
         try:
             await self.app(scope, receive, send)
         finally:
+            _SESSION.reset(session_token)
             _EPISODE.reset(token)
 
 
@@ -416,13 +435,15 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     calls = endpoint.open(group_id, budget, sampling)
     client = endpoint.client(calls.key)
     reward = score = 0.0
-    extra, error = {}, None
+    extra, error, sessions = {}, None, None
     try:
         result = await asyncio.wait_for(agent.run(client, MODEL_NAME, prompt, label, budget=budget,
                                                   episode=calls.key, base_url=endpoint.base_url(calls.key)),
                                         timeout)
         reward, score = check_reward(result.reward, "the agent's reward"), check_reward(result.score, "its score")
-        extra = result.extra_info
+        extra, sessions = result.extra_info, result.sessions
+        for seat, seat_reward in (sessions or {}).values():
+            check_reward(seat_reward, f"the reward of seat {seat!r}")
     except (asyncio.TimeoutError, TimeoutError):
         error = ("timeout", f"the agent's run took over {timeout:g} s (--agent.step_timeout x --agent.max_steps)")
     except RewardError as e:
@@ -432,7 +453,7 @@ async def run_openai_episode(endpoint: Endpoint, agent, prompt, label, sampling:
     finally:
         await endpoint.close(calls.key)
         await client.close()
-    ep = episode_from_calls(request_id, calls.calls)
+    ep = episode_from_calls(request_id, calls.calls, sessions)
     if calls.aborted or group_id in endpoint.actor.aborted_groups:
         ep.aborted, ep.finish_reason = True, "abort"
         return ep

@@ -200,7 +200,7 @@ class LLMRayActorAsync:
     async def generate_group(self, prompt_ids: list, label, n: int, sampling: dict, group_id: str,
                              budget, agent_path: str = None, screen: int = 0,
                              group_filter: GroupFilter = GroupFilter(), reward_source: dict = None,
-                             prompt=None) -> list:
+                             prompt=None, info: dict = None) -> list:
         """A prompt's n agent episodes, run concurrently; each is scored the moment it ends.
         budget: response tokens per episode (the model's and the environment's), or a list of n budgets.
         agent_path: the agent file (None: the run's own); another one is loaded once, then kept.
@@ -209,11 +209,12 @@ class LLMRayActorAsync:
         group_filter: the rule that judges the screened episodes (the controller's batch filter).
         reward_source: make_reward's settings, as RewardConfig.source() gives them (None: the run's own);
         other settings make another source once, then keep it.
-        prompt: the dataset's prompt (text or chat messages), which an OpenAI-API agent sends itself."""
+        prompt: the dataset's prompt (text or chat messages), which an OpenAI-API agent sends itself.
+        info: the dataset row's data_source and extra_info, for a veRL compute_score reward (None: none)."""
         self.groups.setdefault(group_id, set())
         try:
             return await self.runner.run(self, prompt_ids, label, n, sampling, group_id, budget, agent_path, screen,
-                                         group_filter, reward_source, prompt)
+                                         group_filter, reward_source, prompt, info)
         finally:
             self.groups.pop(group_id, None)
             self.aborted_groups.discard(group_id)

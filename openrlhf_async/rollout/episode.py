@@ -66,6 +66,11 @@ class Episode:
     # rewrites history: rollout/endpoint.py), each a dict of the token lists above; each trains as a sample of its
     # own with the episode's reward. The fields above hold the last segment.
     segments: list = field(default_factory=list)
+    # The seat whose conversation this segment is and its reward, where an agent scores its conversations apart (a
+    # verifiers environment's traces: each seat on its own payoff, rollout/endpoint.py); None: the episode's reward.
+    seat: Optional[str] = None
+    seat_reward: Optional[float] = None
+    prompt_key: Optional[int] = None  # the dataset prompt it answers (utils/samples.py: prompt_key), for its label
 
 
 def extra_log_means(groups: list) -> dict:

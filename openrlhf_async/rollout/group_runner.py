@@ -25,7 +25,8 @@ class GroupRunner:
         self.chat_turn = ChatTurn.of(tokenizer, agent.observation_turn)
 
         self.agent_path, self.agent_workers = agent.func_path, agent.workers  # "": the built-in math agent
-        self.verifiers = (agent.verifiers_env, agent.verifiers_args) if agent.verifiers_env else None
+        self.verifiers = (agent.verifiers_env, agent.verifiers_args, agent.verifiers_max_tasks, agent.sandbox,
+                          agent.step_timeout) if agent.verifiers_env else None
         self.agent_max_steps, self.agent_step_timeout = agent.max_steps, agent.step_timeout
         self.agents = {}  # path -> agent
         self.agent(self.agent_path)
@@ -62,9 +63,17 @@ class GroupRunner:
 
     async def run(self, engine, prompt_ids: list, label, n: int, sampling: dict, group_id: str, budget,
                   agent_path: str = None, screen: int = 0, group_filter: GroupFilter = GroupFilter(),
-                  reward_source: dict = None, prompt=None):
+                  reward_source: dict = None, prompt=None, info: dict = None):
         """See LLMRayActorAsync.generate_group."""
+        from openrlhf_async.utils.samples import prompt_key
+
         agent, reward = self.agent(agent_path), self.reward_source(reward_source)
+        key = prompt_key(prompt_ids)
+
+        async def keyed(episode):  # which prompt it answers, whatever prompt its first call sent
+            ep = await episode
+            ep.prompt_key = key
+            return ep
         tokenizer = engine.tokenizer
         budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * n
         prompt_text = tokenizer.decode(prompt_ids) if reward is not None else None
@@ -90,23 +99,27 @@ class GroupRunner:
                 ep = run_episode(lambda ids, smp, rid: engine.generate(ids, smp, rid, group_id), agent, tokenizer,
                                  prompt_ids, label, sampling_i, budgets[i], self.agent_max_steps,
                                  self.agent_step_timeout, f"{group_id}-{i}", self.chat_turn)
-            return ep if reward is None else rescored(ep, reward, tokenizer, prompt_text, label)
+            return keyed(ep if reward is None else rescored(ep, reward, tokenizer, prompt_text, label, info))
 
         return await run_group(episode, n, screen, group_filter)
 
 
-async def rescored(episode, reward, tokenizer, prompt_text: str, label) -> Episode:
+async def rescored(episode, reward, tokenizer, prompt_text: str, label, info: dict = None) -> Episode:
     """Run an episode, then score it with a reward source (reward_func file or service) on its whole text, as
     OpenRLHF does: the source's reward and score replace the agent's, whose reward is kept in extra_info. A failed
-    reward scores 0, counted."""
+    reward scores 0, counted. A source that reads_info (veRL's compute_score) also gets the response text and the
+    row's info (its data_source and extra_info)."""
     from openrlhf_async.reward.sources import RewardTimeout
 
     ep = await episode
     if ep.aborted or ep.error:
         return ep
     query = tokenizer.decode(ep.prompt_ids + ep.response_ids)
+    context = {}
+    if getattr(reward, "reads_info", False):
+        context = {"responses": [tokenizer.decode(ep.response_ids, skip_special_tokens=True)], "infos": [info]}
     try:
-        (result,) = await reward.score([query], [prompt_text], [label])
+        (result,) = await reward.score([query], [prompt_text], [label], **context)
     except Exception as e:  # the user's reward code or a remote service: contain it, count it
         kind = "reward_timeout" if isinstance(e, (RewardTimeout, asyncio.TimeoutError)) else "reward_error"
         ep.score, ep.raw_reward, ep.error = 0.0, 0.0, (kind, f"{type(e).__name__}: {e}")

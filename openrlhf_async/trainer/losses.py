@@ -11,15 +11,19 @@ KL_IS_WEIGHT_CLIP = 10.0  # the largest importance weight of the unbiased KL-los
 
 
 def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_std_norm: bool = False,
-                     clip_range: tuple = None, lengths: torch.Tensor = None) -> torch.Tensor:
+                     clip_range: tuple = None, lengths: torch.Tensor = None, present: torch.Tensor = None
+                     ) -> torch.Tensor:
     """rewards: [groups, n]; lengths: [groups, n] response tokens the model wrote. One advantage per sample:
 
     rloo: r minus the mean of the group's others; reinforce_baseline and dr_grpo: r minus the group mean;
     group_norm (GRPO): (r - group mean) / (group std + 1e-9); flash_reinforce: r minus the batch mean; reinforce: r.
     Then clipped to clip_range, and for reinforce and reinforce_baseline whitened over the batch's tokens (each
-    sample counts once per token; no_std_norm: centred only)."""
-    if not torch.isfinite(rewards).all():  # the rollout refuses such rewards: one here is a bug, not a sample
+    sample counts once per token; no_std_norm: centred only).
+    present: [groups, n] bools for groups of different sizes padded to n: only its entries count (the others' 0)."""
+    if not torch.isfinite(rewards if present is None else rewards[present]).all():  # the rollout refuses them
         raise ValueError("a reward of inf or nan reached the advantages; it would turn its group's into nan")
+    if present is not None:
+        return _ragged_advantages(rewards, present, estimator, no_std_norm, clip_range, lengths)
     r, n = rewards.double(), rewards.shape[1]
     if estimator == "rloo":
         adv = r - (r.sum(dim=1, keepdim=True) - r) / max(1, n - 1)
@@ -40,6 +44,38 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_st
         total = weights.sum().clamp(min=1)
         mean = (adv * weights).sum() / total
         adv = adv - mean
+        if not no_std_norm:
+            adv = adv * ((adv.pow(2) * weights).sum() / total).clamp(min=1e-8).rsqrt()
+    return adv.to(rewards.dtype)
+
+
+def _ragged_advantages(rewards, present, estimator, no_std_norm, clip_range, lengths) -> torch.Tensor:
+    """group_advantages of padded groups: means and deviations over each group's present entries (a group of one
+    has advantage r - r = 0, where the dense form's std would be nan)."""
+    p = present.double()
+    r = rewards.double() * p
+    count = p.sum(dim=1, keepdim=True)
+    mean = r.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    if estimator == "rloo":
+        adv = r - (r.sum(dim=1, keepdim=True) - r) / (count - 1).clamp(min=1)
+    elif estimator in ("reinforce_baseline", "dr_grpo"):
+        adv = r - mean
+    elif estimator == "group_norm":
+        std = (((r - mean) * p).pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        adv = (r - mean) / (std + 1e-9)
+    elif estimator == "flash_reinforce":
+        adv = r - r.sum() / p.sum().clamp(min=1)
+    elif estimator == "reinforce":
+        adv = r
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    if clip_range is not None:
+        adv = adv.clamp(*clip_range)
+    adv = adv * p
+    if estimator in WHITENED:
+        weights = (torch.ones_like(adv) if lengths is None else lengths.double()).clamp(min=0) * p
+        total = weights.sum().clamp(min=1)
+        adv = (adv - (adv * weights).sum() / total) * p
         if not no_std_norm:
             adv = adv * ((adv.pow(2) * weights).sum() / total).clamp(min=1e-8).rsqrt()
     return adv.to(rewards.dtype)

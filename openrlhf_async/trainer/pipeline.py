@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openrlhf_async.trainer.seats import episode_parts, part_advantages, part_rewards
 from openrlhf_async.trainer.staleness import StalenessPolicy, version_report
 from openrlhf_async.utils.ray_utils import on_this_node, raise_if_interrupted
 from openrlhf_async.utils.timeline import Timeline
@@ -82,15 +83,11 @@ def training_sample(episode, advantage) -> dict:
 
 
 def training_samples(episode, advantage) -> list:
-    """training_sample of each segment of an episode (Episode.segments), each with the episode's advantage."""
-    return [training_sample(part, advantage) for part in episode_parts(episode)]
-
-
-def episode_parts(episode) -> list:
-    """An episode's segments as episodes of their own (sharing its reward and finish), the last being itself."""
-    import dataclasses
-
-    return [dataclasses.replace(episode, segments=[], **segment) for segment in episode.segments] + [episode]
+    """training_sample of each segment of an episode (Episode.segments), each with the episode's advantage, or its
+    own where `advantage` is a list of one per segment (seats.py)."""
+    parts = episode_parts(episode)
+    shares = advantage if isinstance(advantage, list) else [advantage] * len(parts)
+    return [training_sample(part, share) for part, share in zip(parts, shares)]
 
 
 def _put(queue, item, stopped: threading.Event) -> bool:
@@ -360,7 +357,6 @@ class TrainingActor:
         """One optimizer step on a batch's groups; returns the step's training, rollout and staleness figures. The
         generator made the batch for this version and left out what would be staler than the limit here."""
         from openrlhf_async.rollout.episode import extra_log_means
-        from openrlhf_async.trainer.losses import group_advantages
         from openrlhf_async.trainer.policy import loss_settings
 
         version, groups = self.weight_sync.version, [g for item in items for g in item.groups]
@@ -380,16 +376,16 @@ class TrainingActor:
                 loss_cfg["kl"] = {**loss_cfg["kl"], "coef": self.kl.value}
                 self.weight_sync.to_train()  # the hybrid engine's engines sleep
                 if a.advantage_estimator == "gae":  # the KL is in its rewards already unless --algo.kl.use_loss
-                    parts = [episode_parts(ep) for g in groups for ep in g]
-                    samples, stats = self._with_critic([p for ps in parts for p in ps], rewards.flatten()
-                                                       .repeat_interleave(torch.tensor([len(ps) for ps in parts])),
-                                                       version)
+                    parts = [p for g in groups for ep in g for p in episode_parts(ep)]
+                    samples, stats = self._with_critic(parts, torch.tensor(
+                        [r for g, row in zip(groups, rewards.tolist()) for ep, reward in zip(g, row)
+                         for r in part_rewards(ep, reward)], dtype=torch.float64), version)
                     loss_cfg["kl"]["coef"] = self.kl.value if a.kl_use_loss else 0.0
-                else:
-                    advantages = group_advantages(rewards, a.advantage_estimator, a.advantage_no_std_norm,
-                                                  self.cfg.reward.clip_range, lengths)
+                else:  # one advantage per episode, or per seat's sequence (seats.py)
+                    advantages = part_advantages(groups, rewards, a.advantage_estimator, a.advantage_no_std_norm,
+                                                 self.cfg.reward.clip_range, lengths)
                     samples, stats = [s for g, row in zip(groups, advantages)
-                                      for ep, adv in zip(g, row.tolist()) for s in training_samples(ep, adv)], {}
+                                      for ep, adv in zip(g, row) for s in training_samples(ep, adv)], {}
                 if self.step > self.cfg.critic.freezing_steps:  # the critic warms up first (gae)
                     stats.update(self.policy.train_batch(samples, t.micro_batch_size, loss_cfg, t.batch_size,
                                                          t.max_epochs, seed=t.seed + version))

@@ -4,6 +4,7 @@ writes them there and sends the same rows to W&B (tables train/generated_samples
 TensorBoard (text). The trainer sends episodes as token ids; the driver, which holds the tokenizer and the prompts'
 labels, turns them into text here."""
 
+import hashlib
 import json
 
 TEXT_CHARS = 2000  # a longer prompt, response or observation keeps its start and its end
@@ -38,27 +39,44 @@ def turn_spans(action_mask: list) -> list:
     return spans
 
 
+def prompt_key(prompt_ids) -> int:
+    """A dataset prompt's key (Episode.prompt_key): 64 bits of a digest of its token ids, the same in every process."""
+    data = b"".join(int(i).to_bytes(4, "little", signed=True) for i in prompt_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 class SampleText:
     def __init__(self, tokenizer, prompts: list):
         """prompts: the run's tokenised prompts ({"prompt_ids", "label"}), train and eval. An episode's label is
-        found by its prompt tokens (an OpenRLHF AgentExecutor may re-tokenise the prompt: its label may be None)."""
+        found by the prompt it answers (Episode.prompt_key, else its prompt tokens): an OpenAI-API agent's calls, an
+        environment that opens the conversation itself or an OpenRLHF AgentExecutor may send other prompt tokens."""
         self.tokenizer = tokenizer
-        self.labels = {tuple(p["prompt_ids"]): p["label"] for p in prompts}
+        self.labels = {prompt_key(p["prompt_ids"]): p["label"] for p in prompts}
 
     def rows(self, step: int, episodes: dict) -> list:
-        """episodes: kind ("train", "eval") -> [Episode]; one row per episode."""
-        return [self.row(step, kind, ep) for kind, eps in episodes.items() for ep in eps]
+        """episodes: kind ("train", "eval") -> [Episode]; one row per sequence trained (each of an episode's
+        segments has its own, with the episode's label)."""
+        return [self.row(step, kind, ep, part) for kind, eps in episodes.items() for ep in eps
+                for part in [*ep.segments, {}]]
 
-    def row(self, step: int, kind: str, ep) -> dict:
-        decode, ids = self.tokenizer.decode, ep.response_ids
+    def row(self, step: int, kind: str, ep, part: dict = None) -> dict:
+        """part: one of ep.segments (None or {}: the episode's own fields, its last segment)."""
+        import dataclasses
+
+        first = ep.segments[0]["prompt_ids"] if ep.segments else ep.prompt_ids
+        label = self.labels.get(prompt_key(first) if ep.prompt_key is None else ep.prompt_key)
+        seg = dataclasses.replace(ep, segments=[], **(part or {}))
+        decode, ids = self.tokenizer.decode, seg.response_ids
         return {"step": step, "kind": kind, "group": ep.request_id.rsplit("-", 1)[0],
-                "prompt": clip(decode(ep.prompt_ids)),
+                "prompt": clip(decode(seg.prompt_ids)),
                 "turns": [{"response": clip(decode(ids[a:b])), "observation": clip(decode(ids[b:c]))}
-                          for a, b, c in turn_spans(ep.action_mask)],
-                "label": capped(self.labels.get(tuple(ep.prompt_ids))), "pred": capped(ep.extra_info.get("pred")),
-                "reward": ep.reward, "score": ep.score, "finish_reason": ep.finish_reason,
-                "weight_version_min": min(ep.token_versions, default=None),
-                "weight_version_max": max(ep.token_versions, default=None),
+                          for a, b, c in turn_spans(seg.action_mask)],
+                "label": capped(label), "pred": capped(ep.extra_info.get("pred")),
+                "reward": ep.reward if seg.seat_reward is None else seg.seat_reward, "score": ep.score,
+                **({} if seg.seat is None else {"seat": seg.seat, "episode": ep.request_id}),
+                "finish_reason": ep.finish_reason,
+                "weight_version_min": min(seg.token_versions, default=None),
+                "weight_version_max": max(seg.token_versions, default=None),
                 "error": ep.error and ep.error[1]}
 
 
