@@ -333,6 +333,10 @@ def test_a_failed_episode_reports_verifiers_own_error(tmp_path):
         play(agent, "0", lambda q: "print(13)")
     with pytest.raises(ValueError, match="label '9' names no task of --agent.verifiers_env"):
         play(agent, "9", lambda q: "print(13)")
+    # A request lost on the way to the model (a 5xx, a dropped connection) is no forfeit of the seat's.
+    duel = VerifiersAgent(user_file(tmp_path, "vf_duel.py", DUEL), max_tasks=1)
+    with pytest.raises(RuntimeError, match="^the verifiers episode failed: ProviderError: upstream 503"):
+        play(duel, "0", {"10+3=": "13", "10+4=": 503}.get)
 
 
 def test_each_seat_is_compared_with_its_own_seat_in_the_group():

@@ -27,9 +27,14 @@ KEY_VAR = "OPENRLHF_ASYNC_ENDPOINT_KEY"  # verifiers reads the endpoint's key fr
 # The in-process harness's id: verifiers takes a plugin id for a top-level module name.
 HARNESS_ID = "openrlhf_async_verifiers_harness"
 NETWORK_HARNESSES = ("bash", "null")  # verifiers' built-ins that install their programs from the network
-# verifiers' errors of the environment's own code (its task's setup, finalize or scoring, its env's hooks) or of its
-# runtime: a trace that ends so has no reward the environment meant.
+# verifiers' errors of the environment's own code (its task's setup, finalize or scoring, its env's hooks), of its
+# runtime, or of the way to the model (a ProviderError of status 5xx, or none: a dropped connection): a trace that
+# ends so has no reward the environment meant. A refused request (4xx, e.g. past the token budget) is the model's.
 ENVIRONMENT_ERRORS = ("TaskError", "EnvError", "SandboxError", "ToolsetError", "InterceptionError", "TunnelError")
+
+
+def _not_the_models(error) -> bool:
+    return error.type in ENVIRONMENT_ERRORS or (error.type == "ProviderError" and (error.status_code or 500) >= 500)
 
 
 def module_id(spec: str) -> str:
@@ -110,9 +115,9 @@ def load_env(spec: str, args: str = "{}", sandbox: str = "bwrap"):
         raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not import it ({cause(e)})") from None
     config = _merged(base, extra)
     names = ", ".join(declared) or "none"
-    for name in declared:
-        runtime = (config.get(name) or {}).get("runtime") or {}
-        if runtime.get("type", "subprocess") != "subprocess" and sandbox != "unsafe":
+    for name in declared:  # (a malformed seat is verifiers' to refuse, below)
+        runtime = config[name].get("runtime") if isinstance(config.get(name), dict) else None
+        if isinstance(runtime, dict) and runtime.get("type", "subprocess") != "subprocess" and sandbox != "unsafe":
             raise AgentFileError(f"--agent.verifiers_args: seat {name!r} asks for the {runtime['type']} runtime, which "
                                  "this project's sandbox does not hold; leave the seat's runtime out (the subprocess "
                                  "runtime, sandboxed with bwrap) or pass --agent.sandbox unsafe")
@@ -181,10 +186,10 @@ def prompt_rows(env, max_tasks: int) -> list:
 
 def episode_failure(episode):
     """verifiers' own error (one line) when an episode is no result: its env's run() or finalize() raised, it ran
-    no agent, or a trace's environment code failed (ENVIRONMENT_ERRORS). None when its rewards are the environment's
-    judgement: a seat that failed on the model's side (a reply past the token budget, a refused request) keeps the
-    outcome the environment gave it, e.g. a forfeit."""
-    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors if e.type in ENVIRONMENT_ERRORS)]
+    no agent, or a trace failed on the environment's side (ENVIRONMENT_ERRORS). None when its rewards are the
+    environment's judgement: a seat that failed on the model's side (a request refused past the token budget) keeps
+    the outcome the environment gave it, e.g. a forfeit."""
+    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors if _not_the_models(e))]
     if errors:
         lines = [line.strip() for line in (errors[0].message or "").splitlines() if line.strip()]
         return f"{errors[0].type}: {lines[0] if lines else 'no message'}"

@@ -46,6 +46,7 @@ ROUTES = (*COMPLETION_PATHS, "/v1/models")  # all an agent needs; vLLM's other r
 MODEL_NAME = "policy"  # the name agents pass as `model` (the served model's name)
 MAX_BODY_BYTES = 16 << 20  # a completion request's body (a long conversation is a few MB)
 BODY_TIMEOUT_S = 30.0  # for the body to arrive, once the headers have
+KEEP_ALIVE_S = 30  # an idle connection's life on the server's side: longer than clients' own (Endpoint.listen)
 NOT_FOUND = "not found: no such route, or no open episode of this key"
 
 # What a request may not change beside temperature and top_p, as {field: its allowed values}: the trainer scores every
@@ -379,8 +380,10 @@ class Endpoint:
             sock.close()
             raise EndpointError(f"--agent.openai_host {host} / --agent.openai_port: the OpenAI endpoint cannot listen "
                                 f"on {host}:{port} ({getattr(e, 'strerror', None) or e}); free the port or choose another") from None
+        # An idle connection is closed by the client first (httpx keeps one 5 s, aiohttp 15 s): a server closing it at
+        # the same moment would fail the request the client was sending on it (verifiers' pooled client, a 503).
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_keep_alive=5)
+                                lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
         self.server = uvicorn.Server(config)
         serving = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
