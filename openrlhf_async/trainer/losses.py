@@ -22,39 +22,9 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_st
     present: [groups, n] bools for groups of different sizes padded to n: only its entries count (the others' 0)."""
     if not torch.isfinite(rewards if present is None else rewards[present]).all():  # the rollout refuses them
         raise ValueError("a reward of inf or nan reached the advantages; it would turn its group's into nan")
-    if present is not None:
-        return _ragged_advantages(rewards, present, estimator, no_std_norm, clip_range, lengths)
-    r, n = rewards.double(), rewards.shape[1]
-    if estimator == "rloo":
-        adv = r - (r.sum(dim=1, keepdim=True) - r) / max(1, n - 1)
-    elif estimator in ("reinforce_baseline", "dr_grpo"):
-        adv = r - r.mean(dim=1, keepdim=True)
-    elif estimator == "group_norm":
-        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-9)
-    elif estimator == "flash_reinforce":
-        adv = r - r.mean()
-    elif estimator == "reinforce":
-        adv = r
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    if clip_range is not None:
-        adv = adv.clamp(*clip_range)
-    if estimator in WHITENED:
-        weights = (torch.ones_like(adv) if lengths is None else lengths.double()).clamp(min=0)
-        total = weights.sum().clamp(min=1)
-        mean = (adv * weights).sum() / total
-        adv = adv - mean
-        if not no_std_norm:
-            adv = adv * ((adv.pow(2) * weights).sum() / total).clamp(min=1e-8).rsqrt()
-    return adv.to(rewards.dtype)
-
-
-def _ragged_advantages(rewards, present, estimator, no_std_norm, clip_range, lengths) -> torch.Tensor:
-    """group_advantages of padded groups: means and deviations over each group's present entries (a group of one
-    has advantage r - r = 0, where the dense form's std would be nan)."""
-    p = present.double()
+    p = torch.ones_like(rewards, dtype=torch.float64) if present is None else present.double()
     r = rewards.double() * p
-    count = p.sum(dim=1, keepdim=True)
+    count = p.sum(dim=1, keepdim=True)  # a group of one has advantage r - r = 0 (a dense std would be nan)
     mean = r.sum(dim=1, keepdim=True) / count.clamp(min=1)
     if estimator == "rloo":
         adv = r - (r.sum(dim=1, keepdim=True) - r) / (count - 1).clamp(min=1)
