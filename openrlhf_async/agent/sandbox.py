@@ -374,6 +374,20 @@ def _bwrap_command(fds: list, disk_bytes: int, workdir: str = None, env: dict = 
     return [shutil.which("bwrap") or "bwrap", "--args", str(options_fd), "--", *drop]
 
 
+def _bwrap_launch(bwrap, cgroup, options: dict) -> tuple:
+    """_launch's result for the bwrap command that bwrap(fds) builds, appending the descriptors it passes to fds;
+    if building it fails, they and the cgroup are closed."""
+    fds = []
+    try:
+        command = bwrap(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        cgroup.close()
+        raise
+    return None, cgroup, cgroup.wrap(command), {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
+
+
 def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -> tuple:
     """(host folder to remove afterwards or None, the run's cgroup, the command, its Popen arguments); _cleanup
     closes pass_fds and the cgroup."""
@@ -383,21 +397,16 @@ def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -
     options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
     if mode == "bwrap":
-        fds = []
-        try:
+        def bwrap(fds: list) -> list:
             code_fd = os.memfd_create("sandbox-code")  # bwrap copies it into the tmpfs: nothing is written on the host
             fds.append(code_fd)
             os.write(code_fd, code.encode("utf-8", "surrogatepass"))
             os.lseek(code_fd, 0, os.SEEK_SET)
             fds.append(seccomp_fd())
-            command = _bwrap_command(fds, WORKDIR_MB << 20) + python + [ROOT, *limits, str(NPROC), str(NOFILE),
-                                                                         str(int(audit))]
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            cgroup.close()
-            raise
-        return None, cgroup, cgroup.wrap(command), {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
+            return _bwrap_command(fds, WORKDIR_MB << 20) + python + [ROOT, *limits, str(NPROC), str(NOFILE),
+                                                                    str(int(audit))]
+
+        return _bwrap_launch(bwrap, cgroup, options)
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(code)
@@ -575,17 +584,13 @@ def _launch_command(argv: list, workdir: str, env: dict, timeout: float, memory_
     if mode != "bwrap":  # RLIMIT_NPROC outside a user namespace counts the user's every process: none is safe
         command = cgroup.wrap(launcher + [*limits, "0", str(NOFILE), *argv])
         return None, cgroup, command, {**options, "env": {**_env(workdir), **env}, "cwd": workdir}
-    fds = []
-    try:
+
+    def bwrap(fds: list) -> list:
         fds.append(seccomp_fd())
-        command = _bwrap_command(fds, WORKDIR_MB << 20, workdir, env) + launcher + [*limits, str(NPROC), str(NOFILE),
-                                                                                  *argv]
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        cgroup.close()
-        raise
-    return None, cgroup, cgroup.wrap(command), {**options, "env": _env(ROOT), "pass_fds": tuple(fds), "cwd": "/"}
+        return _bwrap_command(fds, WORKDIR_MB << 20, workdir, env) + launcher + [*limits, str(NPROC), str(NOFILE),
+                                                                               *argv]
+
+    return _bwrap_launch(bwrap, cgroup, options)
 
 
 _probe_lock = threading.Lock()
