@@ -448,6 +448,55 @@ def test_memory_outside_the_process_cannot_be_held(hook, name):
         result["stderr"][-300:]
 
 
+KERNEL_BUFFERS = """
+import fcntl, os, socket
+refused = []
+def attempt(name, call):
+    try:
+        call()
+        print("allowed", name)
+    except OSError as e:
+        refused.append(name)
+attempt("an AF_INET socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+a, b = socket.socketpair()
+attempt("descriptor passing", lambda: socket.send_fds(a, [b"x"], [os.pipe()[0]]))
+attempt("a larger socket buffer", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30))
+r, w = os.pipe()
+attempt("a larger pipe", lambda: fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20))
+ends = [a, b]
+while True:  # every descriptor the limit allows, each a socket end or a pipe's writing end
+    try:
+        ends += socket.socketpair()
+        ends.append(os.pipe()[1])
+    except OSError:
+        break
+queued = 0
+for end in ends:
+    fd = end if isinstance(end, int) else end.fileno()
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            queued += os.write(fd, b"x" * 65536)
+        except OSError:
+            break
+print("refused", len(refused), "queued", queued, "descriptors", len(ends))
+"""
+
+
+@pytest.mark.parametrize("hook", list(HOOK))
+def test_kernel_buffers_held_through_descriptors_stay_within_the_documented_bound(hook):
+    """Pipes and sockets keep their data in kernel buffers outside RLIMIT_AS (and, for sockets, outside a v1 memory
+    cgroup). Each open descriptor's buffer stays at its default size: a pipe's 16 pages, a socket's send buffer
+    (net.core.wmem_default; a send may pass it by one skb, at most half of it), and no descriptor is parked in flight."""
+    result = run(KERNEL_BUFFERS, hook, timeout=20.0, memory_mb=256)
+    words = result["stdout"].split()
+    assert "allowed" not in words and words[:2] == ["refused", "4"], result
+    with open("/proc/sys/net/core/wmem_default") as f:
+        per_descriptor = max(16 * 4096, int(f.read()) * 3 // 2)
+    queued, descriptors = int(words[3]), int(words[5])
+    assert descriptors <= sandbox.NOFILE and queued <= sandbox.NOFILE * per_descriptor, result
+
+
 def _keyring_call(name: str) -> int:
     import pyseccomp
 

@@ -4,8 +4,11 @@ RLIMIT_AS bounds one process's mappings, not memory held elsewhere. So each sand
 - a seccomp filter (built by libseccomp through `pyseccomp`, handed to `bwrap --seccomp FD`) that refuses what a code
   tool never needs and what would hold memory or state outside the process: new processes (threads stay allowed),
   memfd, SysV IPC, POSIX message queues, the kernel keyrings, io_uring, BPF, userfaultfd, ptrace, perf, mounts and
-  namespaces, modules, reboot and the like. With no second process and no memory outside its own mappings, the run
-  holds at most its RLIMIT_AS, its sized tmpfs and a few kernel buffers per descriptor (RLIMIT_NOFILE);
+  namespaces, modules, reboot and the like; and what would let a descriptor's kernel buffers grow or outlive it:
+  sockets other than AF_UNIX, passing descriptors (sendmsg: a descriptor in flight keeps its buffers while closed in
+  the process), larger socket buffers (SO_SNDBUF, SO_RCVBUF) and larger pipes (F_SETPIPE_SZ). With no second process
+  and no memory outside its own mappings, the run holds at most its RLIMIT_AS, its sized tmpfs and, per open
+  descriptor (RLIMIT_NOFILE), a pipe's default 64 KB or a socket's default send buffer (net.core.wmem_default);
 - where one can be had, a memory cgroup of its own (v2, or v1's memory hierarchy) whose limit the kernel enforces on
   everything the run charges, page cache and tmpfs pages included; the run is killed at the limit and says so.
   A cgroup can be had where this process may create a child of its own cgroup with the memory controller on (root
@@ -36,8 +39,12 @@ DENIED_SYSCALLS = (
     "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff",
     "acct", "quotactl", "quotactl_fd", "syslog", "vhangup", "iopl", "ioperm", "lookup_dcookie", "uselib",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "move_pages", "migrate_pages",
+    "sendmsg", "sendmmsg",  # SCM_RIGHTS: descriptors parked in flight, their buffers outside RLIMIT_NOFILE's count
 )
 CLONE_THREAD = 0x00010000
+AF_UNIX = 1  # the only socket family allowed (asyncio's self-pipe); the network namespace has nothing to reach anyway
+SOL_SOCKET, BUFFER_OPTIONS = 1, (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
+F_SETPIPE_SZ = 1031
 
 _program = None
 _program_lock = threading.Lock()
@@ -67,6 +74,12 @@ def _build_program() -> bytes:
     # clone3 passes its flags in memory a filter cannot read: ENOSYS makes the C library fall back to clone.
     filt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     filt.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+    for name in ("socket", "socketpair"):
+        filt.add_rule(seccomp.ERRNO(errno.EPERM), name, seccomp.Arg(0, seccomp.NE, AF_UNIX))
+    for option in BUFFER_OPTIONS:
+        filt.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
+                      seccomp.Arg(2, seccomp.EQ, option))
+    filt.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.EQ, F_SETPIPE_SZ))
     read, write = os.pipe()
     try:
         with os.fdopen(write, "wb", closefd=False) as f:  # a filter is a few KB: the pipe holds it whole
