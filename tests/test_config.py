@@ -6,7 +6,7 @@ import re
 import pytest
 
 from openrlhf_async import config
-from openrlhf_async.config import ConfigError, build_parser, parse_config, settings
+from openrlhf_async.config import ConfigError, build_parser, checks, command_line, parse_config, schema, settings
 
 
 def test_every_setting_has_help():
@@ -18,8 +18,8 @@ def test_every_flag_in_help_shows_its_help_and_default():
     options = text.split("\noptions:\n", 1)[1]
     entries = re.split(r"\n(?=  --)", options)[1:]  # one entry per flag, from its option strings to its help's end
     flags = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries}
-    assert set(flags) == {"--" + flag for flag in settings()} | {"--" + flag for flag in config._NEGATIONS}
-    assert [flag for flag, entry in flags.items() if "(default: " not in entry and flag[2:] not in config._NEGATIONS] == []
+    assert set(flags) == {"--" + flag for flag in settings()} | {"--" + flag for flag in command_line._NEGATIONS}
+    assert [flag for flag, entry in flags.items() if "(default: " not in entry and flag[2:] not in command_line._NEGATIONS] == []
     assert "(default: None)" in flags["--actor.model_name_or_path"]  # an empty default is visible, not blank
     assert "(default: '')" in flags["--device"]
     assert "--no-rollout.early_stop" in flags["--rollout.early_stop"]
@@ -32,14 +32,14 @@ def test_a_setting_added_in_one_line_is_a_checked_flag(monkeypatch):
         scheduler: str = config.setting("cosine", "learning-rate schedule", choices=("cosine", "constant"))
         lr_warmup: int = config.setting(5, "warm-up steps", flag="actor.lr.warmup")
 
-    monkeypatch.setattr(config, "Config", dataclasses.make_dataclass(
+    monkeypatch.setattr(schema, "Config", dataclasses.make_dataclass(
         "Config", [("extra", Extra, dataclasses.field(default_factory=Extra))], bases=(config.Config,)))
     cfg = parse_config(["--extra.warmup_ratio", "0.1", "--extra.scheduler", "constant", "--actor.lr.warmup", "7"])
     assert (cfg.extra.warmup_ratio, cfg.extra.scheduler, cfg.extra.lr_warmup) == (0.1, "constant", 7)
     help_text = " ".join(build_parser().format_help().split())
     assert "share of steps with a rising learning rate (default: 0.03)" in help_text
     with pytest.raises(ConfigError, match=r"^--extra.warmup_ratio 2.0: must be in \[0, 1\]$"):
-        config._validate_settings(parse_config(["--extra.warmup_ratio", "2"]))
+        checks._validate_settings(parse_config(["--extra.warmup_ratio", "2"]))
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -59,4 +59,4 @@ def test_a_config_built_in_code_is_held_to_the_same_choices():
     cfg = config.Config()
     cfg.algo.dynamic_filtering_rule = "median"
     with pytest.raises(ConfigError, match=r"^--algo.dynamic_filtering_rule 'median': use mean_range or std$"):
-        config._validate_settings(cfg)
+        checks._validate_settings(cfg)

@@ -14,8 +14,9 @@ import time
 import pytest
 
 from openrlhf_async.cli.train_async import main
-from openrlhf_async.config import (NODES_MAX, SEED_MAX, WEEK_S, ConfigError, _value_type, check_local_cores,
-                                   preset_config, preset_path, settings, validate)
+from openrlhf_async.config import (NODES_MAX, SEED_MAX, WEEK_S, ConfigError, check_local_cores, preset_config,
+                                   preset_path, settings, validate)
+from openrlhf_async.config.setting import value_type
 
 HUGE_INT = "99999999999999999999"
 
@@ -35,7 +36,7 @@ def _numeric_flags(kind) -> dict:
     """{flag: how many values it takes} of every int or float setting, walked from the config dataclasses."""
     counts = {}
     for flag, (_, f) in settings().items():
-        if _value_type(f) is kind and not f.metadata["choices"] and f.default != math.inf:
+        if value_type(f) is kind and not f.metadata["choices"] and f.default != math.inf:
             nargs = f.metadata["nargs"]
             counts[flag] = nargs if isinstance(nargs, int) else len(f.default) if isinstance(f.default, tuple) else 1
     return counts

@@ -80,6 +80,7 @@ def test_every_tasks_gold_answer_scores_1_through_the_reward_a_run_uses():
     from reasoning_gym.composite import DatasetSpec
     from reasoning_gym.factory import DATASETS
 
+    from openrlhf_async.data import reasoning_gym_tasks
     from openrlhf_async.data.reasoning_gym_tasks import INSTRUCTION, rows
     from openrlhf_async.reward import reasoning_gym_reward
     from openrlhf_async.reward.sources import load_reward_func
@@ -89,10 +90,10 @@ def test_every_tasks_gold_answer_scores_1_through_the_reward_a_run_uses():
     # composite mixes other tasks (--data.reasoning_gym's comma does too): its entries go to their own task's scorer.
     mixed = reasoning_gym.create_dataset("composite", size=4, seed=0, datasets=[
         DatasetSpec("arc_agi", 1, {}), DatasetSpec("rearc", 1, {}), DatasetSpec("chain_sum", 1, {})])
-    made += [{"prompt": f"{e['question']}\n{INSTRUCTION}", "label": reasoning_gym_reward.entry_label(e)} for e in mixed]
+    made += [{"prompt": f"{e['question']}\n{INSTRUCTION}", "label": reasoning_gym_tasks.entry_label(e)} for e in mixed]
     queries, prompts, labels, sources = [], [], [], []
     for row in made:
-        entry = reasoning_gym_reward.entry_of(row["label"])
+        entry = reasoning_gym_tasks.entry_of(row["label"])
         source = entry["metadata"]["source_dataset"]
         gold = EXAMPLE[source](entry["metadata"]) if source in EXAMPLE else entry["answer"]
         assert row["prompt"].endswith(INSTRUCTION) and isinstance(gold, str), (source, gold)
@@ -107,7 +108,7 @@ def test_every_tasks_gold_answer_scores_1_through_the_reward_a_run_uses():
     below = {f"{source} (row {i})": r["reward"] for i, (source, r) in enumerate(zip(sources, results))
              if r["reward"] != 1}
     assert not below, below
-    assert all(reasoning_gym_reward.entry_of(reasoning_gym_reward.entry_label(e)) == e for e in mixed)  # tuples kept
+    assert all(reasoning_gym_tasks.entry_of(reasoning_gym_tasks.entry_label(e)) == e for e in mixed)  # tuples kept
     assert set(sources) == set(names) and len(results) == 3 * len(names) + 4
     for name in NO_GOLD:  # still no answer to give: else it belongs above
         assert reasoning_gym.create_dataset(name, size=1, seed=0)[0]["answer"] is None, name

@@ -7,25 +7,52 @@ import sys
 import tempfile
 
 from openrlhf_async.cli import missing_package
+from openrlhf_async.errors import ConfigError, notice
+from openrlhf_async.utils.cache_dir import default_cache_dir
+from openrlhf_async.utils.config_record import to_dict
+from openrlhf_async.utils.model_info import is_gguf
 
 
 def prepare(cfg):
     """Resolve the model, agent, reward, datasets and the checkpoint to resume from, and check them and the folders
     the run writes, all before any actor starts; a real start takes the run folder's lock (utils/run_folder.py). A
-    dry run writes nothing and builds nothing.
+    dry run writes nothing and builds nothing. The settings the start fills in are config/resolve.py's, in this order.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
-    from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
-    from openrlhf_async.config import (ConfigError, check_local_cores, default_cache_dir, is_gguf, notice,
-                                       openrlhf_differences, refuse_together, resolve_steps, to_dict, validate)
-    from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
+    from openrlhf_async.config import check_local_cores, openrlhf_differences, refuse_together, validate
+    from openrlhf_async.config.resolve import builtin_task_in_its_template, resolve_steps, score_tasks_by_their_scorers
     from openrlhf_async.trainer import memory_plan
-    from openrlhf_async.trainer.checkpoint import check_resume_data, find_resume, remove_records
-    from openrlhf_async.utils import run_folder
-    from openrlhf_async.utils.user_files import check_user_file
+    from openrlhf_async.trainer.checkpoint import check_resume_data
 
     # On cpu without a Ray cluster, the ranks need this machine's cores; their refusals come with the flags' own.
     refuse_together(lambda: validate(cfg), lambda: check_local_cores(cfg))
     differences = openrlhf_differences(cfg)  # said once everything is checked, so that an error stands alone
+    resume = claim_run_folder(cfg)
+    check_parsers(cfg)
+    score_tasks_by_their_scorers(cfg)
+    verifiers_env = check_user_files(cfg)
+    builtin_task_in_its_template(cfg)
+    train_rows, eval_rows = read_datasets(cfg, verifiers_env)
+    resolve_steps(cfg, len(train_rows))
+    check_resume_data(cfg, resume, len(train_rows))
+    memory_plan.for_config(cfg)  # a run whose trainer ranks or engines cannot fit is refused here
+    for message in differences:
+        notice(message)
+    if cfg.dry_run:
+        return (cfg.actor.model_name_or_path or "embedded tiny model (shipped, sha256-checked)", train_rows, eval_rows,
+                resume)
+    write_run_config(cfg)
+    model_path = local_model(cfg)
+    check_observation_turn(cfg, model_path)
+    return model_path, train_rows, eval_rows, resume
+
+
+def claim_run_folder(cfg):
+    """Check the folders the run writes and take its run folder (a dry run only checks that no live run holds it);
+    the checkpoint to resume from, or None (an earlier run's records without --ckpt.load_enable or --overwrite are
+    refused)."""
+    from openrlhf_async.trainer.checkpoint import find_resume
+    from openrlhf_async.utils import run_folder
+
     run_folder.check_folders(cfg)  # a folder the run cannot write fails now, not after training
     run_folder.check_build_locks()  # a killed op build's lock would stall the trainer ranks for ever
     # One run per run folder: a real start holds its lock from here (before its records are read or deleted) to the
@@ -34,14 +61,19 @@ def prepare(cfg):
         run_folder.check_free(cfg)
     else:
         run_folder.hold(cfg)
-    resume = find_resume(cfg)  # also refuses a fresh run over an earlier run's records
-    check_parsers(cfg)
-    verifiers_env = None  # --agent.verifiers_env's environment, loaded once: its tasks may be the prompts
-    if cfg.data.reasoning_gym and not cfg.agent.func_path and not cfg.reward.remote_url:
-        from openrlhf_async.reward import reasoning_gym_reward
+    return find_resume(cfg)
 
-        cfg.reward.remote_url = reasoning_gym_reward.__file__  # the tasks' own scorers judge the answers
-    try:  # import and check the user's files here, so a broken one fails before any engine starts
+
+def check_user_files(cfg):
+    """Import and check the user's files (agent, reward_func, verifiers environment), so that a broken one fails
+    before any engine starts; --agent.verifiers_env's environment, loaded once (its tasks may be the prompts), or
+    None."""
+    from openrlhf_async.agent import CONTRACT, AgentFileError, load_agent
+    from openrlhf_async.reward.sources import FUNC_CONTRACT, RewardFileError, make_reward
+    from openrlhf_async.utils.user_files import check_user_file
+
+    verifiers_env = None
+    try:
         if cfg.agent.func_path:
             check_user_file(cfg.agent.func_path, "--train.agent_func_path", CONTRACT, AgentFileError,
                             "openrlhf_async_agent")
@@ -61,60 +93,65 @@ def prepare(cfg):
         make_reward(**cfg.reward.source())
     except (AgentFileError, RewardFileError) as e:
         raise ConfigError(str(e)) from None
-    given = cfg.data.prompt_dataset, cfg.eval.dataset
-    builtin_task = not (given[0] or cfg.data.reasoning_gym or verifiers_env is not None)
-    if builtin_task and not cfg.actor.model_name_or_path and not cfg.data.apply_chat_template:
-        # OpenRLHF's default (off) is for datasets of raw prompts; the embedded model only answers in its template.
-        cfg.data.apply_chat_template = True
-        notice("--data.apply_chat_template is off (OpenRLHF's default), but the embedded tiny model was trained on "
-               "its chat template: the built-in task's prompts are formatted with it")
-    # The built-in task is written where the run keeps it; a dry run's copy goes with its temporary folder.
+    return verifiers_env
+
+
+def read_datasets(cfg, verifiers_env) -> tuple:
+    """(train rows, eval rows), the built-in task written where the run keeps it (a dry run's copy goes with its
+    temporary folder, and a dry run checks the prompts' token lengths as the start would)."""
     with (tempfile.TemporaryDirectory() if cfg.dry_run else
           contextlib.nullcontext(os.path.join(cfg.run_dir, "data"))) as builtin_dir:
         train_rows, eval_rows = load_datasets(cfg, builtin_dir, verifiers_env)
     if cfg.dry_run:  # the start tokenises every prompt and refuses a dataset none of which fits --data.max_len
         check_prompt_lengths(cfg, train_rows, eval_rows)
-    resolve_steps(cfg, len(train_rows))
-    check_resume_data(cfg, resume, len(train_rows))
-    memory_plan.for_config(cfg)  # a run whose trainer ranks or engines cannot fit is refused here
-    for message in differences:
-        notice(message)
-    model_path = cfg.actor.model_name_or_path
-    if cfg.dry_run:
-        cfg.data.prompt_dataset, cfg.eval.dataset = given  # the report shows the flags, not a deleted folder
-        return model_path or "embedded tiny model (shipped, sha256-checked)", train_rows, eval_rows, resume
+    return train_rows, eval_rows
+
+
+def write_run_config(cfg) -> None:
+    """The run folder made (an earlier run's records deleted first with --overwrite) and the config written in it."""
+    from openrlhf_async.trainer.checkpoint import remove_records
+
     if cfg.overwrite:
         remove_records(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
         json.dump(to_dict(cfg), f, indent=2)
+
+
+def local_model(cfg) -> str:
+    """The HF model folder or id the ranks and engines load: the embedded tiny model built, or a GGUF file converted
+    (both cached), else --actor.model_name_or_path."""
+    model_path = cfg.actor.model_name_or_path
     if not model_path:
         from openrlhf_async.models.tiny import build_tiny_model
 
-        model_path = build_tiny_model(default_cache_dir(cfg))
-    elif is_gguf(model_path):
+        return build_tiny_model(default_cache_dir(cfg))
+    if is_gguf(model_path):
         from openrlhf_async.models.gguf import hf_folder
 
         print(f"converting {model_path} to an HF folder (cached after the first run) ...", flush=True)
-        model_path = hf_folder(model_path, default_cache_dir(cfg))
-    if cfg.agent.func_path and cfg.agent.observation_turn != "raw":  # the engines build it: check it before them
-        from transformers import AutoTokenizer
+        return hf_folder(model_path, default_cache_dir(cfg))
+    return model_path
 
-        from openrlhf_async.rollout.episode import ChatTurn
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
-        try:
-            ChatTurn.of(tokenizer, cfg.agent.observation_turn)
-        except Exception as e:
-            raise ConfigError(f"--agent.observation_turn {cfg.agent.observation_turn}: {e}") from None
-    return model_path, train_rows, eval_rows, resume
+def check_observation_turn(cfg, model_path: str) -> None:
+    """--agent.observation_turn's chat turn, which the engines build for an agent file: checked before them."""
+    if not cfg.agent.func_path or cfg.agent.observation_turn == "raw":
+        return
+    from transformers import AutoTokenizer
+
+    from openrlhf_async.rollout.episode import ChatTurn
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
+    try:
+        ChatTurn.of(tokenizer, cfg.agent.observation_turn)
+    except Exception as e:
+        raise ConfigError(f"--agent.observation_turn {cfg.agent.observation_turn}: {e}") from None
 
 
 def check_parsers(cfg) -> None:
     """--agent.tool_call_parser and --agent.reasoning_parser name parsers vLLM has (ConfigError otherwise): the
     engines build their OpenAI endpoint only when an agent first uses it."""
-    from openrlhf_async.config import ConfigError
-
     for flag, name, module, manager in (
             ("--agent.tool_call_parser", cfg.agent.tool_call_parser, "vllm.tool_parsers", "ToolParserManager"),
             ("--agent.reasoning_parser", cfg.agent.reasoning_parser, "vllm.reasoning", "ReasoningParserManager")):
@@ -130,47 +167,54 @@ def load_datasets(cfg, builtin_dir: str, verifiers_env=None):
     """(train rows, eval rows); without --data.prompt_dataset, the built-in task (or reasoning-gym's, or the verifiers
     environment's tasks) written into builtin_dir, read with its own field names whatever --data.input_key /
     --data.label_key say."""
+    from openrlhf_async.config.resolve import written_datasets
     from openrlhf_async.data.prompts import check_input_template, load_prompts
 
     check_input_template(cfg.data.input_template)
     train_keys = eval_keys = cfg.data.input_key, cfg.data.label_key
+    prompt_dataset, eval_dataset = cfg.data.prompt_dataset, cfg.eval.dataset
+    written = write_builtin_prompts(cfg, builtin_dir, verifiers_env)
+    if written:
+        prompt_dataset, train_keys = written[0], ("prompt", "label")
+        if written[1] and not eval_dataset:
+            eval_dataset, eval_keys = written[1], train_keys
+    written_datasets(cfg, prompt_dataset, eval_dataset)
+    train_rows = load_prompts(prompt_dataset, *train_keys, "--data.prompt_dataset", cfg.data.max_samples,
+                              split=cfg.data.prompt_split, probs=cfg.data.prompt_probs, seed=cfg.train.seed,
+                              max_len=cfg.data.max_len)
+    eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
+    if eval_dataset:
+        eval_rows = load_prompts(eval_dataset, *eval_keys, "--eval.dataset", cfg.eval.max_samples,
+                                 split=cfg.eval.split, max_len=cfg.data.max_len)
+    return train_rows, eval_rows
+
+
+def write_builtin_prompts(cfg, builtin_dir: str, verifiers_env=None):
+    """(train file, eval file or None) of the prompts written into builtin_dir when no --data.prompt_dataset gives
+    them: reasoning-gym's tasks, the verifiers environment's or the built-in task's; None when it gives them."""
     if cfg.data.reasoning_gym:
-        from openrlhf_async.config import ConfigError
         from openrlhf_async.data.reasoning_gym_tasks import write_tasks
 
         if cfg.data.prompt_dataset:
             raise ConfigError("--data.reasoning_gym and --data.prompt_dataset both give the prompts; pass one")
         try:
-            cfg.data.prompt_dataset, eval_path = write_tasks(cfg.data.reasoning_gym, cfg.data.reasoning_gym_size,
-                                                             cfg.train.seed, builtin_dir, cfg.data.reasoning_gym_args)
+            return write_tasks(cfg.data.reasoning_gym, cfg.data.reasoning_gym_size, cfg.train.seed, builtin_dir,
+                               cfg.data.reasoning_gym_args)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        train_keys = "prompt", "label"
-        if not cfg.eval.dataset:
-            cfg.eval.dataset, eval_keys = eval_path, train_keys
-    elif verifiers_env is not None and not cfg.data.prompt_dataset:  # the environment's tasks are the prompts
+    if cfg.data.prompt_dataset:
+        return None
+    if verifiers_env is not None:  # the environment's tasks are the prompts
         from openrlhf_async.agent.verifiers_env import prompt_rows
 
         os.makedirs(builtin_dir, exist_ok=True)
-        cfg.data.prompt_dataset = os.path.join(builtin_dir, "verifiers_tasks.jsonl")
-        with open(cfg.data.prompt_dataset, "w") as f:
+        path = os.path.join(builtin_dir, "verifiers_tasks.jsonl")
+        with open(path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in prompt_rows(verifiers_env, cfg.agent.verifiers_max_tasks))
-        train_keys = "prompt", "label"
-    elif not cfg.data.prompt_dataset:
-        from openrlhf_async.data.synthetic import write_builtin_task
+        return path, None
+    from openrlhf_async.data.synthetic import write_builtin_task
 
-        cfg.data.prompt_dataset, eval_path = write_builtin_task(cfg.data.builtin_task, builtin_dir)
-        train_keys = "prompt", "label"
-        if not cfg.eval.dataset:
-            cfg.eval.dataset, eval_keys = eval_path, train_keys
-    train_rows = load_prompts(cfg.data.prompt_dataset, *train_keys, "--data.prompt_dataset", cfg.data.max_samples,
-                              split=cfg.data.prompt_split, probs=cfg.data.prompt_probs, seed=cfg.train.seed,
-                              max_len=cfg.data.max_len)
-    eval_rows = []  # a user dataset without --eval.dataset trains without evaluation
-    if cfg.eval.dataset:
-        eval_rows = load_prompts(cfg.eval.dataset, *eval_keys, "--eval.dataset", cfg.eval.max_samples,
-                                 split=cfg.eval.split, max_len=cfg.data.max_len)
-    return train_rows, eval_rows
+    return write_builtin_task(cfg.data.builtin_task, builtin_dir)
 
 
 def check_prompt_lengths(cfg, train_rows: list, eval_rows: list) -> None:
@@ -178,7 +222,6 @@ def check_prompt_lengths(cfg, train_rows: list, eval_rows: list) -> None:
     as the start tokenises them (ConfigError when none fits --data.max_len)."""
     from transformers.utils import logging
 
-    from openrlhf_async.config import ConfigError
     from openrlhf_async.data.prompts import check_sample_lengths, dry_run_sample, tokenize_prompts
 
     tokenizer = dry_run_tokenizer(cfg)
@@ -205,8 +248,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def dry_run_tokenizer(cfg):
     """The tokenizer the start would use, as it lies on this machine (None, with a notice, when it is not here)."""
     from transformers import AutoTokenizer
-
-    from openrlhf_async.config import default_cache_dir, is_gguf, notice
 
     model, use_fast = cfg.actor.model_name_or_path, not cfg.data.disable_fast_tokenizer
     if not model:
@@ -251,8 +292,6 @@ def check_cluster(cfg) -> None:
     """On cuda, the Ray cluster must hold the GPUs the run needs (raises ConfigError)."""
     import ray
 
-    from openrlhf_async.config import ConfigError
-
     need, have = resources(cfg)["gpus"], int(ray.cluster_resources().get("GPU", 0))
     if need > have:
         shared = " sharing the GPUs of" if cfg.hybrid else " +"
@@ -267,7 +306,6 @@ def check_cluster(cfg) -> None:
 
 
 def dry_run_report(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> dict:
-    from openrlhf_async.config import to_dict
     from openrlhf_async.trainer import memory_plan
     from openrlhf_async.trainer.staleness import StalenessPolicy
 
@@ -296,7 +334,7 @@ def _memory_summary(plan) -> str:
 
 def main(argv=None) -> int:
     try:
-        from openrlhf_async.config import ConfigError, parse_config
+        from openrlhf_async.config import parse_config
     except ModuleNotFoundError as e:
         return missing_package(e)
     try:
@@ -308,19 +346,29 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as e:  # this environment lacks a package the project needs
         return missing_package(e)
     if cfg.dry_run:
-        report = dry_run_report(cfg, model_path, train_rows, eval_rows, resume)
-        print(json.dumps(report, indent=2))
-        if report["memory_plan"]:  # for a person: on stderr, beside the notices, so stdout stays the report
-            from openrlhf_async.trainer.memory_plan import table
-
-            print(table(report["memory_plan"]), file=sys.stderr)
-        r = report["resources"]
-        print(f"dry run: configuration valid; would start {r['vllm_engines']} vLLM engine(s) x tensor parallel "
-              f"{r['tensor_parallel_size']} and {r['trainer_ranks']} trainer rank(s) on {r['device']}"
-              + (f" ({r['gpus']} GPUs)" if r["gpus"] else "") + f", {len(train_rows)} train and "
-              f"{len(eval_rows)} eval prompts, --mode {cfg.mode}" + _memory_summary(report["memory_plan"]))
+        print_dry_run(cfg, model_path, train_rows, eval_rows, resume)
         return 0
+    return run(cfg, model_path, train_rows, eval_rows, resume)
 
+
+def print_dry_run(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> None:
+    """The dry run's report as JSON on stdout; its memory plan and a one-line summary on stderr."""
+    report = dry_run_report(cfg, model_path, train_rows, eval_rows, resume)
+    print(json.dumps(report, indent=2))
+    if report["memory_plan"]:  # for a person: on stderr, beside the notices, so stdout stays the report
+        from openrlhf_async.trainer.memory_plan import table
+
+        print(table(report["memory_plan"]), file=sys.stderr)
+    r = report["resources"]
+    print(f"dry run: configuration valid; would start {r['vllm_engines']} vLLM engine(s) x tensor parallel "
+          f"{r['tensor_parallel_size']} and {r['trainer_ranks']} trainer rank(s) on {r['device']}"
+          + (f" ({r['gpus']} GPUs)" if r["gpus"] else "") + f", {len(train_rows)} train and "
+          f"{len(eval_rows)} eval prompts, --mode {cfg.mode}" + _memory_summary(report["memory_plan"]))
+
+
+def run(cfg, model_path: str, train_rows: list, eval_rows: list, resume) -> int:
+    """Train on the Ray cluster at RAY_ADDRESS (or one of the run's own); the exit status, the run's one-line summary
+    printed."""
     import faulthandler
     import signal
 
@@ -353,6 +401,13 @@ def main(argv=None) -> int:
         return 1
     finally:
         ray.shutdown()
+    print(summary_line(cfg, summary))
+    return 0
+
+
+def summary_line(cfg, summary: dict) -> str:
+    """What the run did, in one line: eval accuracy (and pass@k) from start to end, steps, time, where its records
+    and model are."""
     k = cfg.eval.n_samples_per_prompt
     accuracy = ("no eval set" if summary["eval_accuracy_start"] is None else
                 f"eval {'accuracy' if k == 1 else f'mean@{k}'} {summary['eval_accuracy_start']:.3f} -> "
@@ -360,10 +415,9 @@ def main(argv=None) -> int:
                 + ("" if k == 1 else f", pass@{k} {summary['eval_start'][f'eval/pass@{k}']:.3f} -> "
                                      f"{summary['eval_end'][f'eval/pass@{k}']:.3f}"))
     early = summary["stopped_early"] and f" of {cfg.train.max_steps} ({summary['stopped_early']['reason']})"
-    print(f"{accuracy} after {summary['steps']} steps{early or ''} in {summary['wall_s']:.0f} s; "
-          + ", ".join(["metrics.jsonl"] + [os.path.basename(p) for p in summary["pictures"]])
-          + f" in {cfg.run_dir}; model in {summary['checkpoint']}")
-    return 0
+    return (f"{accuracy} after {summary['steps']} steps{early or ''} in {summary['wall_s']:.0f} s; "
+            + ", ".join(["metrics.jsonl"] + [os.path.basename(p) for p in summary["pictures"]])
+            + f" in {cfg.run_dir}; model in {summary['checkpoint']}")
 
 
 if __name__ == "__main__":

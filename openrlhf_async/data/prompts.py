@@ -9,8 +9,8 @@ import reprlib
 import string
 import sys
 
-from openrlhf_async.config import ConfigError
 from openrlhf_async.data.sources import TABLE_FILES, dataset_names, mix, mixture_probs, read_dataset
+from openrlhf_async.errors import ConfigError
 
 
 def read_rows(name: str, split: str, flag: str, max_samples: int) -> list:

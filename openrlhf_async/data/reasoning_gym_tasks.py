@@ -16,6 +16,7 @@ PROBE_QUESTIONS = 3  # made of each task first, to refuse a set too slow or too 
 PROBE_TIMEOUT_S = 60.0  # the probe's child process, reasoning-gym's import included
 GENERATE_TIMEOUT_S = 300.0  # the whole set's child process
 GENERATE_MEMORY = 4 * 2**30  # both children's address space (RLIMIT_AS), and what the set's rows may take
+_TUPLE, _ITEMS = "__tuple__", "__items__"  # JSON has no tuples and no keys but text: these mark them in a label
 _CHILD = """
 from openrlhf_async.data.reasoning_gym_tasks import _generate
 _generate(report, *json.loads(args[0]))
@@ -52,12 +53,42 @@ def task_settings(names: list, text: str) -> dict:
     return settings
 
 
+
+def entry_label(entry: dict) -> str:
+    """The entry as JSON, its tuples and its dicts with keys other than text marked, so that entry_of gives back an
+    equal entry."""
+    return json.dumps(_marked(entry), default=str)
+
+
+def entry_of(label: str) -> dict:
+    """The entry entry_label wrote (a plain JSON entry as it reads)."""
+    return json.loads(label, object_hook=_unmarked)
+
+
+def _marked(value):
+    if isinstance(value, tuple):
+        return {_TUPLE: [_marked(v) for v in value]}
+    if isinstance(value, list):
+        return [_marked(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _marked(v) for k, v in value.items()}
+    if isinstance(value, dict):
+        return {_ITEMS: [[_marked(k), _marked(v)] for k, v in value.items()]}
+    return value
+
+
+def _unmarked(obj: dict):
+    if len(obj) == 1 and _TUPLE in obj:
+        return tuple(obj[_TUPLE])
+    if len(obj) == 1 and _ITEMS in obj:
+        return {k: v for k, v in obj[_ITEMS]}
+    return obj
+
+
 def rows(names: list, size: int, seed: int, settings: dict = None) -> list:
     """[{"prompt", "label"}] of size questions per task, the label being the task's entry as JSON (its tuples kept:
-    reward/reasoning_gym_reward.py entry_label)."""
+    entry_label)."""
     import reasoning_gym
-
-    from openrlhf_async.reward.reasoning_gym_reward import entry_label
 
     out = []
     for name in names:

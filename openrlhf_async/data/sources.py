@@ -7,7 +7,7 @@ import logging
 import math
 import os
 
-from openrlhf_async.config import ConfigError
+from openrlhf_async.errors import ConfigError
 
 TABLE_FILES = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 LOCAL_SUFFIXES = (".jsonl", *TABLE_FILES)  # a name ending so is a path, never a Hub id

@@ -100,7 +100,7 @@ def hf_folder(path: str, cache_dir: str) -> str:
 
 
 def main(argv=None) -> int:
-    from openrlhf_async.config import default_cache_dir
+    from openrlhf_async.utils.cache_dir import default_cache_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="the .gguf file")

@@ -115,7 +115,7 @@ def start_reward_models(cfg, group=None) -> None:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from openrlhf_async.rollout.engine import HYBRID_GPU_SHARE
+    from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
 
     r = cfg.reward
     paths = [p.strip() for p in (r.model_name_or_path or "").split(",") if p.strip()]

@@ -12,6 +12,7 @@ from typing import Optional
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
 from openrlhf_async.rollout.group_runner import GroupRunner
+from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
 from openrlhf_async.utils.ray_utils import get_all
 
 
@@ -384,10 +385,6 @@ def executor_backend(vllm) -> Optional[str]:
     if vllm.tensor_parallel_size > 1:
         return "ray"
     return "uni" if vllm.worker_in_engine_core else None
-
-
-# Of a GPU, per model sharing it (an engine worker, a trainer or critic rank, a reward model: as OpenRLHF asks Ray).
-HYBRID_GPU_SHARE = 0.2
 
 
 def engine_env(cfg, bundle: int = 0) -> dict:

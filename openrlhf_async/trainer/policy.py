@@ -667,7 +667,7 @@ class PolicyGroup:
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from openrlhf_async.rollout.engine import HYBRID_GPU_SHARE
+        from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
 
         actor_cls = ray.remote(self.actor_class)
         world = self.world_size(cfg)

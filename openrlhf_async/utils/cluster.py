@@ -8,6 +8,9 @@ import json
 import os
 import uuid
 
+# Of a GPU, per model sharing it (an engine worker, a trainer or critic rank, a reward model: as OpenRLHF asks Ray).
+HYBRID_GPU_SHARE = 0.2
+
 # Network settings of NCCL, gloo and torch.distributed that a user sets where the driver starts (the interface to use,
 # the InfiniBand adapters, debug output): every rank and engine needs the same.
 NETWORK_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "UCX_", "NVSHMEM_")
@@ -67,7 +70,7 @@ def check_shared_folders(cfg, nodes: set) -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from openrlhf_async.config import ConfigError
+    from openrlhf_async.errors import ConfigError
     from openrlhf_async.utils.ray_utils import get_all
 
     others = sorted(set(nodes) - {ray.get_runtime_context().get_node_id()})

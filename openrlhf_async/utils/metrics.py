@@ -72,7 +72,7 @@ class MetricsLog:
         self.tensorboard = None
         self.wandb = None
         if dataclasses.is_dataclass(config):
-            from openrlhf_async.config import to_dict
+            from openrlhf_async.utils.config_record import to_dict
 
             config = to_dict(config)
         config_text = json.dumps(config or {}, indent=2, default=str)

@@ -15,7 +15,7 @@ import struct
 import tempfile
 import time
 
-from openrlhf_async.config import ConfigError
+from openrlhf_async.errors import ConfigError
 from openrlhf_async.utils.metrics import warn
 
 LOCK_FILE = ".lock"
