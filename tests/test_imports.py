@@ -1,5 +1,6 @@
-"""The package's import graph, read from the source (imports inside functions included): no cycle, nothing outside
-cli/ imports cli/, and the config reaches neither into model conversion nor into metrics."""
+"""The package's import graph, read from the source (imports inside functions included): no cycle, no import to a
+higher floor (FLOORS), nothing outside cli/ imports cli/, and the config reaches neither into model conversion nor
+into metrics."""
 
 import ast
 import functools
@@ -7,6 +8,11 @@ import pathlib
 
 PACKAGE = "openrlhf_async"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
+
+# The package's floors, lowest first: a module (a folder's, or a top-level one) imports only from its own floor or
+# below, so that each role is built on what lies beneath it and can be read without what lies above.
+FLOORS = {"errors": 0, "compat": 0, "utils": 1, "data": 2, "models": 3, "reward": 4, "agent": 5, "config": 6,
+          "rollout": 7, "trainer": 8, "cli": 9}
 
 
 def module_files(root: pathlib.Path = ROOT) -> dict:
@@ -127,6 +133,23 @@ def test_no_import_cycle():
     assert not report, "\n" + "\n".join(report)
 
 
+def floor(module: str):
+    """The floor of a package module: its folder's or its own (a top-level module's); None for the package itself."""
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_module_stands_on_a_floor():
+    assert [m for m in import_graph() if m != PACKAGE and floor(m) is None] == []
+
+
+def test_no_import_reaches_a_higher_floor():
+    upward = [f"{where}: {m} (floor {floor(m)}) imports {t} (floor {floor(t)})"
+              for m, edges in sorted(import_graph().items()) if floor(m) is not None
+              for t, where in edges if floor(t) is not None and floor(t) > floor(m)]
+    assert not upward, "\n" + "\n".join(upward)
+
+
 def test_nothing_outside_cli_imports_cli():
     cli = f"{PACKAGE}.cli"
     inside = lambda m: m == cli or m.startswith(cli + ".")  # noqa: E731
@@ -138,6 +161,6 @@ def test_nothing_outside_cli_imports_cli():
 def test_config_imports_no_model_conversion_or_metrics():
     banned = (f"{PACKAGE}.models", f"{PACKAGE}.utils.metrics")
     config = f"{PACKAGE}.config"
-    reached = [_edge(config, t, where) for t, where in import_graph()[config]
-               if any(t == b or t.startswith(b + ".") for b in banned)]
+    reached = [_edge(m, t, where) for m, edges in import_graph().items() if m == config or m.startswith(config + ".")
+               for t, where in edges if any(t == b or t.startswith(b + ".") for b in banned)]
     assert not reached, "\n" + "\n".join(reached)
