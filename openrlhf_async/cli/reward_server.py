@@ -167,91 +167,123 @@ async def _math_batch(pool, admission, queries, prompts, labels) -> dict:
             "extra_logs": {"accuracy": rewards, "reward_errors": [float(i in failed) for i in range(len(rewards))]}}
 
 
+class _Scorer:
+    """The service's reward (a reward_func, or math-verify's worker pool), the admission bounding its calls in flight,
+    the failures counted for GET /health, and the request handlers over them."""
+
+    def __init__(self, func_path: str, workers: int, timeout: float, max_concurrency: int, max_body_mb: float,
+                 read_timeout: float):
+        from openrlhf_async.reward.admission import Admission
+        from openrlhf_async.reward.math_verify_reward import MathVerifyPool
+        from openrlhf_async.reward.sources import load_reward_func
+
+        self.timeout, self.max_body_mb, self.read_timeout = timeout, max_body_mb, read_timeout
+        # A plain def reward_func runs in the worker processes, where a hung call is killed.
+        self.func = load_reward_func(func_path, timeout, workers=workers, max_concurrency=max_concurrency) \
+            if func_path else None
+        self.pool = None if self.func else MathVerifyPool(workers, timeout)
+        self.on_loop = False
+        if self.func is None:
+            self.admission, self.more = Admission(workers, max_concurrency, timeout, "math-verify workers"), "--workers"
+        else:  # an async def reward_func runs on the event loop, up to max_concurrency calls at once
+            self.on_loop = inspect.iscoroutinefunction(self.func.func)
+            self.admission = Admission(max_concurrency if self.on_loop else workers, max_concurrency, timeout,
+                                       "places for reward_func calls" if self.on_loop else "reward_func workers")
+            self.more = "--max_concurrency" if self.on_loop else "--workers"
+        self.counts = collections.Counter()  # failures by kind, for GET /health
+
+    def refuse(self, request, status: int, message: str, **headers):
+        from aiohttp import web
+
+        self.counts[f"answered_{status}"] += 1
+        _log.warning("answered %d to %s from %s: %s", status, request.path, request.remote, message)
+        return web.json_response({"error": message}, status=status, headers=headers)
+
+    def math_answer(self, out):
+        from aiohttp import web
+
+        for error in out["errors"]:
+            kind = "timeouts" if error["error"].startswith("RewardTimeout") else "sample_errors"
+            self.counts[kind] += 1
+            _log.warning("%s (%d %s so far)", error["error"], self.counts[kind], kind)
+        return web.json_response({**out, "timeout": self.timeout})
+
+    async def score(self, request):
+        from openrlhf_async.reward.admission import ServiceBusy
+        from openrlhf_async.reward.sources import RewardError, RewardTimeout
+
+        body = await _read_json(request, self.read_timeout, self.max_body_mb)
+        if isinstance(body, tuple):
+            status, message = body
+            return self.refuse(request, status, message, **({"Accept-Encoding": "identity"} if status == 415 else {}))
+        batch = _read_batch(body, need_labels=self.func is None)
+        if isinstance(batch, str):
+            return self.refuse(request, 400, batch)
+        queries, prompts, labels = batch
+        try:
+            if self.func is None:
+                return self.math_answer(await _math_batch(self.pool, self.admission, queries, prompts, labels))
+            async with self.admission.slot():
+                results = await self.func.score(queries, prompts, labels)
+        except ServiceBusy as e:  # the client retries a 5xx with backoff; by then a worker is free
+            return self.refuse(request, 503, f"{e}; retry later, or start the service with more {self.more}",
+                               **{"Retry-After": str(math.ceil(self.timeout))})
+        except RewardTimeout as e:  # as for a math sample over its time: scored 0 and listed
+            return self.timed_out(e, len(queries))
+        except RewardError as e:  # the reward_func fails on this request: it would fail again, so not a 5xx
+            return self.refuse(request, 422, f"RewardError: {e}")
+        return self.func_answer(results)
+
+    def timed_out(self, e, n: int):
+        """A reward_func call over --timeout: its n samples scored 0 and listed."""
+        from aiohttp import web
+
+        self.counts["timeouts"] += 1
+        _log.warning("%s; %s (%d so far)", e, "the call was cancelled" if self.on_loop else
+                     "its worker was killed and replaced", self.counts["timeouts"])
+        return web.json_response({"rewards": [0.0] * n, "scores": [0.0] * n, "timeout": self.timeout,
+                                  "errors": [{"index": i, "error": f"RewardTimeout: {e}"} for i in range(n)],
+                                  "extra_logs": {"reward_errors": [1.0] * n}})
+
+    def func_answer(self, results: list):
+        """A reward_func's results as the protocol's answer, with the extra logs every sample has."""
+        from aiohttp import web
+
+        logged = [k for k in (results[0]["extra"] if results else {}) if all(k in r["extra"] for r in results)]
+        return web.json_response({"rewards": [r["reward"] for r in results],
+                                  "scores": [r["score"] for r in results],
+                                  "extra_logs": {k: [r["extra"][k] for r in results] for k in logged},
+                                  "errors": [], "timeout": self.timeout})
+
+    async def health(self, request):
+        from aiohttp import web
+
+        return web.json_response({"status": "ok", "running": self.admission.running,
+                                  "waiting": self.admission.waiting, "counts": dict(self.counts)})
+
+    async def start_workers(self, app):
+        if self.pool is not None:  # start the math-verify workers before listening, not inside the first requests
+            await self.pool.start()
+
+    async def stop_workers(self, app):
+        if self.pool is not None:
+            self.pool.close()
+        if self.func is not None:
+            await self.func.close()
+
+
 def build_app(func_path: str = "", workers: int = 2, timeout: float = 10.0, max_concurrency: int = 64,
               max_body_mb: float = 16, read_timeout: float = 30.0):
     """The aiohttp application; raises RewardFileError for a bad --reward.func_path."""
     from aiohttp import web
 
-    from openrlhf_async.reward.admission import Admission, ServiceBusy
-    from openrlhf_async.reward.math_verify_reward import MathVerifyPool
-    from openrlhf_async.reward.sources import RewardError, RewardTimeout, load_reward_func
-
-    # A plain def reward_func runs in the worker processes, where a hung call is killed.
-    func = load_reward_func(func_path, timeout, workers=workers, max_concurrency=max_concurrency) if func_path else None
-    pool = None if func else MathVerifyPool(workers, timeout)
-    if func is None:
-        admission, more = Admission(workers, max_concurrency, timeout, "math-verify workers"), "--workers"
-    else:  # an async def reward_func runs on the event loop, up to max_concurrency calls at once
-        on_loop = inspect.iscoroutinefunction(func.func)
-        admission = Admission(max_concurrency if on_loop else workers, max_concurrency, timeout,
-                              "places for reward_func calls" if on_loop else "reward_func workers")
-        more = "--max_concurrency" if on_loop else "--workers"
-    counts = collections.Counter()  # failures by kind, for GET /health
-
-    def refuse(request, status: int, message: str, **headers):
-        counts[f"answered_{status}"] += 1
-        _log.warning("answered %d to %s from %s: %s", status, request.path, request.remote, message)
-        return web.json_response({"error": message}, status=status, headers=headers)
-
-    def math_answer(out):
-        for error in out["errors"]:
-            kind = "timeouts" if error["error"].startswith("RewardTimeout") else "sample_errors"
-            counts[kind] += 1
-            _log.warning("%s (%d %s so far)", error["error"], counts[kind], kind)
-        return web.json_response({**out, "timeout": timeout})
-
-    async def score(request):
-        body = await _read_json(request, read_timeout, max_body_mb)
-        if isinstance(body, tuple):
-            status, message = body
-            return refuse(request, status, message, **({"Accept-Encoding": "identity"} if status == 415 else {}))
-        batch = _read_batch(body, need_labels=func is None)
-        if isinstance(batch, str):
-            return refuse(request, 400, batch)
-        queries, prompts, labels = batch
-        try:
-            if func is None:
-                return math_answer(await _math_batch(pool, admission, queries, prompts, labels))
-            async with admission.slot():
-                results = await func.score(queries, prompts, labels)
-        except ServiceBusy as e:  # the client retries a 5xx with backoff; by then a worker is free
-            return refuse(request, 503, f"{e}; retry later, or start the service with more {more}",
-                          **{"Retry-After": str(math.ceil(timeout))})
-        except RewardTimeout as e:  # as for a math sample over its time: scored 0 and listed
-            counts["timeouts"] += 1
-            _log.warning("%s; %s (%d so far)", e, "the call was cancelled" if on_loop else
-                         "its worker was killed and replaced", counts["timeouts"])
-            n = len(queries)
-            return web.json_response({"rewards": [0.0] * n, "scores": [0.0] * n, "timeout": timeout,
-                                      "errors": [{"index": i, "error": f"RewardTimeout: {e}"} for i in range(n)],
-                                      "extra_logs": {"reward_errors": [1.0] * n}})
-        except RewardError as e:  # the reward_func fails on this request: it would fail again, so not a 5xx
-            return refuse(request, 422, f"RewardError: {e}")
-        logged = [k for k in (results[0]["extra"] if results else {}) if all(k in r["extra"] for r in results)]
-        return web.json_response({"rewards": [r["reward"] for r in results],
-                                  "scores": [r["score"] for r in results],
-                                  "extra_logs": {k: [r["extra"][k] for r in results] for k in logged},
-                                  "errors": [], "timeout": timeout})
-
-    async def health(request):
-        return web.json_response({"status": "ok", "running": admission.running, "waiting": admission.waiting,
-                                  "counts": dict(counts)})
-
-    async def start_workers(app):
-        if pool is not None:  # start the math-verify workers before listening, not inside the first requests
-            await pool.start()
-
-    async def stop_workers(app):
-        if pool is not None:
-            pool.close()
-        if func is not None:
-            await func.close()
-
+    scorer = _Scorer(func_path, workers, timeout, max_concurrency, max_body_mb, read_timeout)
     # Rounded up: a limit of 0 bytes would be no limit at all.
     app = web.Application(client_max_size=math.ceil(max_body_mb * 2 ** 20))
-    app.add_routes([web.post("/score", score), web.post("/get_reward", score), web.get("/health", health)])
-    app.on_startup.append(start_workers)
-    app.on_cleanup.append(stop_workers)
+    app.add_routes([web.post("/score", scorer.score), web.post("/get_reward", scorer.score),
+                    web.get("/health", scorer.health)])
+    app.on_startup.append(scorer.start_workers)
+    app.on_cleanup.append(scorer.stop_workers)
     return app
 
 

@@ -282,40 +282,53 @@ def build_tiny_reward_model(cache_dir: str, policy: str = None, **settings) -> s
     rng = random.Random(seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(policy)
     model = build_value_model(policy, {"dtype": torch.float32})
-
-    def text(row, answer):
-        return tokenizer.encode(prompt_text(tokenizer, row["prompt"])) + tokenizer.encode(answer) + [
-            tokenizer.eos_token_id]
-
-    def rewards(seqs):
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-        values = model(ids, attention_mask=mask)
-        return values.gather(1, (mask.sum(-1) - 1).unsqueeze(1)).squeeze(1)
-
-    def wrong(row):
-        slip = carry_slip_answer(row["prompt"])
-        return slip if slip is not None else str(int(row["label"]) + rng.choice([-1, 1]) * rng.randint(1, 9))
-
     rows = train_pool(DEFAULT_A_RANGE, DEFAULT_B_RANGE, DEFAULT_OPS)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for _ in range(steps):
         picked = rng.sample(rows, batch)
-        scores = rewards([text(r, r["label"]) for r in picked] + [text(r, wrong(r)) for r in picked])
+        scores = _rewards(model, tokenizer, _right_then_wrong(tokenizer, picked, rng))
         loss = -torch.nn.functional.logsigmoid(scores[:batch] - scores[batch:]).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     model.eval()
     with torch.no_grad():
-        sample = rng.sample(rows, 256)
-        pool = rewards([text(r, r["label"]) for r in sample] + [text(r, wrong(r)) for r in sample])
+        pool = _rewards(model, tokenizer, _right_then_wrong(tokenizer, rng.sample(rows, 256), rng))
     model.config.normalize_reward, model.config.value_head_prefix = True, "score"
     model.config.mean, model.config.std = float(pool.mean()), max(float(pool.std()), 1e-8)
+    _save_reward_model(model, tokenizer, cache_dir, final)
+    return final
+
+
+def _right_then_wrong(tokenizer, rows: list, rng: random.Random) -> list:
+    """The token ids of each row's question with its right answer, then of each with a wrong one: the carry slip
+    where there is one, else an answer off by 1-9."""
+    def text(row, answer):
+        return tokenizer.encode(prompt_text(tokenizer, row["prompt"])) + tokenizer.encode(answer) + [
+            tokenizer.eos_token_id]
+
+    def wrong(row):
+        slip = carry_slip_answer(row["prompt"])
+        return slip if slip is not None else str(int(row["label"]) + rng.choice([-1, 1]) * rng.randint(1, 9))
+
+    return [text(r, r["label"]) for r in rows] + [text(r, wrong(r)) for r in rows]
+
+
+def _rewards(model, tokenizer, seqs: list):
+    """The value model's reward of each sequence: its value at the sequence's last token (rows right-padded)."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    values = model(ids, attention_mask=mask)
+    return values.gather(1, (mask.sum(-1) - 1).unsqueeze(1)).squeeze(1)
+
+
+def _save_reward_model(model, tokenizer, cache_dir: str, final: str) -> None:
+    """The reward model and its tokenizer saved in a temporary folder and renamed to final (another process that
+    built it first wins)."""
     tmp = tempfile.mkdtemp(prefix=".tmp-tiny-rm-", dir=cache_dir)
     try:
         model.save(tmp, {k: v.detach() for k, v in model.state_dict().items()})
@@ -327,7 +340,6 @@ def build_tiny_reward_model(cache_dir: str, policy: str = None, **settings) -> s
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def rebuild_embedded(out_dir: str = EMBEDDED_DIR) -> dict:
