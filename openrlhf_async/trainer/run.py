@@ -34,7 +34,7 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     try:
         ray.get(fleet.wait_ready.remote())
         setup_s = time.perf_counter() - start
-        result, resumed, policy, critic = _run_pipeline(cfg, model_path, fleet, (policy, critic), tokenizer,
+        result, resumed, policy, critic = _run_pipeline(cfg, model_path, fleet, policy, critic, tokenizer,
                                                         train_prompts, eval_prompts, resume)
         output_dir = save_model(cfg, policy, critic)
     finally:
@@ -106,11 +106,11 @@ def start_actors(cfg, model_path: str) -> tuple:
         return fleet, policy, start_critic(cfg, model_path, policy, critic_group)
 
 
-def _run_pipeline(cfg, model_path: str, fleet, ranks: tuple, tokenizer, train_prompts: list, eval_prompts: list,
+def _run_pipeline(cfg, model_path: str, fleet, policy, critic, tokenizer, train_prompts: list, eval_prompts: list,
                   resume) -> tuple:
     """The pipeline from the start or from `resume`; when a policy rank, the trainer or the generator dies, again
     from the newest complete checkpoint with new ranks (the engines are kept), up to --ckpt.max_auto_resumes times.
-    ranks: (the policy's group, the critic's or None). Returns (the trainer's summary, the trainer state it last
+    critic: PPO's critic beside the policy, or None. Returns (the trainer's summary, the trainer state it last
     resumed from, the policy, the critic)."""
     from openrlhf_async.trainer import checkpoint
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
@@ -121,7 +121,7 @@ def _run_pipeline(cfg, model_path: str, fleet, ranks: tuple, tokenizer, train_pr
 
     from openrlhf_async.trainer.hybrid import HybridWeightSync
 
-    auto_resumes, (policy, critic) = 0, ranks
+    auto_resumes = 0
     while True:
         weight_sync = HybridWeightSync(policy, None, cfg, fleet=fleet, critic=critic) if cfg.hybrid else \
             WeightSync(policy, None, cfg, fleet=fleet)
