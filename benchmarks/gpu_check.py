@@ -153,8 +153,9 @@ def check_shape(shape_name: str, device: str, dtype: str, workload: dict, seed: 
 
     from openrlhf_async.config import parse_config
     from openrlhf_async.trainer.batching import plan, sample_length
-    from openrlhf_async.trainer.policy import (PolicyActor, batch_totals, batching_settings, ds_settings,
-                                               loss_settings, model_settings, optimizer_settings)
+    from openrlhf_async.trainer.policy import PolicyActor
+    from openrlhf_async.trainer.ranks import (batch_totals, batching_settings, ds_settings, loss_settings,
+                                              model_settings, optimizer_settings)
     from openrlhf_async.utils.ports import free_port
 
     # The trainer's settings from its flags (OpenRLHF's defaults otherwise): ZeRO-3, gradient checkpointing, learning

@@ -71,7 +71,7 @@ def main() -> None:
 
     from openrlhf_async.config import default_cache_dir, preset_config, validate
     from openrlhf_async.trainer import memory_plan, policy
-    from openrlhf_async.trainer.policy import PolicyGroup, batching_settings, loss_settings
+    from openrlhf_async.trainer.ranks import PolicyGroup, batching_settings, loss_settings
     from rollout_early_stop import model_folder
 
     model = model_folder(args.model, default_cache_dir(), {})
@@ -86,7 +86,7 @@ def main() -> None:
                for _ in range(args.tokens // args.sample_len)]
     totals = {"tokens": sum(len(s["response_ids"]) for s in samples), "sequences": len(samples)}
 
-    policy.PolicyActor = measured_policy_actor()  # PolicyGroup starts its ranks from this name
+    PolicyGroup.actor_class = measured_policy_actor()  # PolicyGroup starts its ranks from this class
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     group = PolicyGroup(cfg, model)
     layout = batching_settings(cfg)

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from openrlhf_async.config import validate
     from openrlhf_async.rollout.engine import create_engines
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.ranks import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     cfg.actor.num_gpus_per_node = 2

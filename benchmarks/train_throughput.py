@@ -107,7 +107,7 @@ def main() -> None:
     import ray
 
     from openrlhf_async.config import default_cache_dir, preset_config, validate
-    from openrlhf_async.trainer.policy import PolicyGroup, batching_settings, loss_settings
+    from openrlhf_async.trainer.ranks import PolicyGroup, batching_settings, loss_settings
     from rollout_early_stop import model_folder
 
     cache = default_cache_dir()

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     from openrlhf_async.config import default_cache_dir, preset_config
     from openrlhf_async.models.tiny import build_tiny_model
     from openrlhf_async.rollout.engine import create_engines
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.ranks import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     model_path = args.model or build_tiny_model(default_cache_dir())

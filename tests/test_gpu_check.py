@@ -70,7 +70,7 @@ def test_missing_packages_without_wheels_give_one_line_naming_the_make_target(ca
 
 def test_architecture_specific_arch_lists_are_read_as_plain_capabilities_for_deepspeeds_builder(monkeypatch):
     """An H200 image's TORCH_CUDA_ARCH_LIST=9.0a killed FusedAdam's build (DeepSpeed parses each entry as numbers)."""
-    from openrlhf_async.trainer.policy import jit_arch_list
+    from openrlhf_async.trainer.rank import jit_arch_list
 
     for given, read in (("9.0a", "9.0"), ("8.0 9.0a+PTX", "8.0;9.0+PTX"), ("9.0;10.0a;10.0", "9.0;10.0"),
                         ("9.0+PTX", "9.0+PTX")):

@@ -228,7 +228,7 @@ def test_a_hybrid_step_sleeps_trains_and_syncs_by_shared_memory_in_order_and_vll
     import ray
 
     from openrlhf_async.trainer.hybrid import HybridWeightSync
-    from openrlhf_async.trainer.policy import loss_settings
+    from openrlhf_async.trainer.ranks import loss_settings
     from test_weight_sync import _greedy, _prompt_ids
 
     name = "model.embed_tokens.weight"

@@ -57,7 +57,8 @@ def test_the_memory_plan_counts_the_adapter_alone_for_gradients_and_optimizer_an
 def test_the_engines_weights_are_the_base_names_with_each_adapted_layer_merged(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from openrlhf_async.trainer.policy import _with_adapter, source_value, weight_sources
+    from openrlhf_async.trainer.policy import _with_adapter
+    from openrlhf_async.trainer.weight_export import source_value, weight_sources
 
     names = [n for n, _ in AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters()]
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def test_the_engines_weights_are_the_base_names_with_each_adapted_layer_merged(t
 
 @pytest.fixture(scope="module")
 def lora(ray_cluster, tiny_model_path):
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.ranks import PolicyGroup
 
     # LoRA's learning rates are higher than full fine-tuning's: the adapter must move the probe well past the
     # check's tolerance within a few steps (B starts at zero).
@@ -97,7 +98,7 @@ def lora(ray_cluster, tiny_model_path):
 
 
 def _train(policy, cfg, prompts, scale=1.0):
-    from openrlhf_async.trainer.policy import loss_settings
+    from openrlhf_async.trainer.ranks import loss_settings
 
     samples = [{"prompt_ids": p, "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3,
                 "advantage": scale * (1.0 - 2 * (i % 2))} for i, p in enumerate(prompts)]
@@ -127,7 +128,7 @@ def test_under_zero_2_openrlhfs_default_stage_the_adapter_alone_trains_and_resum
         ray_cluster, tiny_model_path, tmp_path):
     from test_weight_sync import _prompt_ids
 
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.ranks import PolicyGroup
 
     cfg = preset_config(*LORA, "--ds.zero_stage", "2", "--algo.kl.init_coef", "0.01", "--actor.adam.lr", "1e-2")
     policy = PolicyGroup(cfg, tiny_model_path)
@@ -179,17 +180,20 @@ def test_lora_syncs_are_exact_and_checked_and_a_skipped_adapter_stops_the_run(
 
         # The field's failure: the trainer sends the base weights without the adapter (as a sync of peft's names
         # that the engines ignore would leave them). The check stops it at once.
-        ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "kept", actor.sources)) for a in policy.actors])
+        ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "kept", actor.weights.sources))
+                 for a in policy.actors])
         ray.get([a.__ray_call__.remote(lambda actor: setattr(
-            actor, "sources", [(n, params[:1], None) for n, params, _ in actor.sources])) for a in policy.actors])
+            actor.weights, "sources", [(n, params[:1], None) for n, params, _ in actor.weights.sources]))
+            for a in policy.actors])
         with pytest.raises(SyncCheckFailed) as e:
             sync.sync()
         line = str(e.value)
         assert line.startswith("weight sync check: engine ") and line.endswith("the engines do not run the trained weights")
         assert "\n" not in line
     finally:
-        ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "sources", getattr(actor, "kept", actor.sources)))
-                 for a in policy.actors])
+        ray.get([a.__ray_call__.remote(
+            lambda actor: setattr(actor.weights, "sources", getattr(actor, "kept", actor.weights.sources)))
+            for a in policy.actors])
         weight_sync.grouped = None  # the engines joined the LoRA policy's group: form the shared one again
 
 

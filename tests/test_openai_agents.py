@@ -15,7 +15,7 @@ from conftest import free_port, preset_config, unfinished, user_file
 from openrlhf_async.models.tiny import ASSISTANT, EOS, USER
 from openrlhf_async.rollout.endpoint import Call, episode_from_calls
 from openrlhf_async.rollout.episode import Episode
-from openrlhf_async.trainer.pipeline import training_samples
+from openrlhf_async.trainer.experience import training_samples
 
 # The tiny model's template, with an assistant's tool calls written as <tool_call>{json}</tool_call> (the hermes
 # parser's form; vLLM renders the arguments as compact JSON) and, as Qwen3's template does, the thinking of assistant turns before the last user turn dropped.

@@ -88,7 +88,7 @@ def test_a_zero3_step_on_uneven_masked_data_with_tis_and_kl_moves_every_weight_a
     DeepSpeed 0.19.6 on gloo once gave 1e18 gradients on a fresh group (the policy makes collectives synchronous on
     CPU): a fresh group for that reason too."""
     from conftest import preset_config
-    from openrlhf_async.trainer.policy import PolicyGroup, loss_settings
+    from openrlhf_async.trainer.ranks import PolicyGroup, loss_settings
 
     cfg = preset_config(*EXACT_STEP, *layout)
     assert cfg.ds.zero_stage == 3 and cfg.actor.world_size == 2
@@ -122,7 +122,7 @@ def test_a_checkpoint_restores_weights_and_optimizer_exactly(restore_weights, po
     import os
 
     from openrlhf_async.trainer import checkpoint
-    from openrlhf_async.trainer.policy import loss_settings
+    from openrlhf_async.trainer.ranks import loss_settings
     from openrlhf_async.utils.ray_utils import get_all
 
     samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4 + i, 5, 6], "logprobs": [-1.0] * 3, "advantage": a,
@@ -180,7 +180,7 @@ def test_the_clip_acts_from_the_second_mini_batch_update_against_the_recomputed_
     """PPO's updates on one rollout batch: 8 samples in mini batches of 4, two epochs (4 optimizer steps), each
     clipped against the weights before the first. The first update's ratio is 1 (nothing clipped); later ones move
     away from it, so a tight clip range clips tokens and changes where the weights end, and a loose one clips none."""
-    from openrlhf_async.trainer.policy import loss_settings
+    from openrlhf_async.trainer.ranks import loss_settings
     from openrlhf_async.utils.ray_utils import get_all
 
     samples = [{"prompt_ids": [3, 20 + i, 21, 4], "response_ids": [20 + i % 3, 21, 22, 23], "logprobs": [-2.0] * 4,

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from conftest import preset_config
-from openrlhf_async.trainer.policy import loss_settings
+from openrlhf_async.trainer.ranks import loss_settings
 
 QUESTIONS = [f"What is {a} + {b}? Put your final answer within \\boxed{{}}." for a, b in
              [(3, 4), (7, 2), (5, 5), (9, 1), (6, 8), (2, 2)]]
@@ -18,7 +18,7 @@ QUESTIONS = [f"What is {a} + {b}? Put your final answer within \\boxed{{}}." for
 def real_stack(ray_cluster, smollm2):
     """(cfg, engine list, policy, weight sync) on SmolLM2; stopped at the end of the module to give back memory."""
     from openrlhf_async.rollout.engine import create_engines
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.ranks import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     # Adam's first step moves every weight by about the learning rate: 3e-5 is seen in the synced weights and

@@ -5,7 +5,7 @@ import ray
 from conftest import preset_config
 from openrlhf_async.data.prompts import tokenize_prompts
 from openrlhf_async.data.synthetic import make_arithmetic_rows
-from openrlhf_async.trainer.policy import loss_settings
+from openrlhf_async.trainer.ranks import loss_settings
 
 
 def _prompt_ids(model_path, n):

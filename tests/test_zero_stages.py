@@ -51,7 +51,7 @@ def test_each_zero_stage_trains_a_step_beside_a_frozen_reference_model_and_saves
     """On 2 ranks: the reference model scores as the policy did before the step and still does after it; the step
     moves the weights; the full weights read, saved and restored are the policy's under every stage."""
     from conftest import preset_config
-    from openrlhf_async.trainer.policy import PolicyGroup, loss_settings
+    from openrlhf_async.trainer.ranks import PolicyGroup, loss_settings
     from openrlhf_async.utils.ray_utils import get_all
 
     flags = ["--ds.zero_stage", str(stage)]

@@ -29,14 +29,15 @@ def complete_checkpoints(root: str) -> list:
     return sorted(found)
 
 
-def save(root: str, step: int, policy, state: dict, keep: int, deepspeed: bool = True, hf: bool = False) -> str:
+def save(root: str, step: int, policy, state: dict, keep: int, deepspeed: bool = True, hf: bool = False,
+         critic=None) -> str:
     """Save every rank's DeepSpeed state (unless --ckpt.disable_ds), an HF-format model in hf/ (--ckpt.save_hf) and
-    the trainer's state as step_<step>; keep the newest `keep`."""
+    the trainer's state as step_<step>; keep the newest `keep`. critic: PPO's critic (its CriticGroup), saved beside
+    the policy in critic/ (and hf/critic/)."""
     final = os.path.join(root, f"step_{step}")
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
     os.makedirs(partial)
-    critic = getattr(policy, "critic", None)
     if deepspeed:
         get_all(policy.call("save_checkpoint", partial))
         if critic is not None:  # PPO's critic beside the policy, in critic/
@@ -180,11 +181,10 @@ def _state_problem(state):
     return f"has a missing or malformed {', '.join(bad)} field" if bad else None
 
 
-def load(path: str, policy) -> None:
+def load(path: str, policy, critic=None) -> None:
     """Restore every rank's DeepSpeed state (weights, optimizer, random state) from a checkpoint folder, the
-    critic's too."""
+    critic's too (critic: its CriticGroup)."""
     get_all(policy.call("load_checkpoint", path))
-    critic = getattr(policy, "critic", None)
     if critic is not None:
         critic_path = os.path.join(path, "critic")
         if not os.path.isdir(critic_path):

@@ -1,31 +1,22 @@
 """PPO's critic (--algo.advantage.estimator gae): a value model (models/value.py: a causal LM's body with a head of
 one output, as OpenRLHF defines it) trained with the clipped value loss by a DeepSpeed group of Ray actors of its own
-beside the policy's (the same ZeRO stages, checkpoints and micro batches: CriticActor is a PolicyActor whose model and
-loss differ)."""
+beside the policy's (the same ZeRO stages, checkpoints and micro batches: CriticActor is a DeepSpeed rank, rank.py, as
+the policy's are, around another model and loss). The run holds it beside the policy's group (trainer/run.py), not
+the policy's group."""
 
 import torch
 
 from openrlhf_async.models.value import build_value_model
 from openrlhf_async.trainer.batching import Layout, sample_length
 from openrlhf_async.trainer.losses import aggregate, value_loss
-from openrlhf_async.trainer.policy import (
-    EMPTY_SAMPLE,
-    PolicyActor,
-    PolicyGroup,
-    batch_totals,
-    ds_settings,
-    model_settings,
-)
-from openrlhf_async.utils.ray_utils import get_all
-from openrlhf_async.utils.timeline import Timeline
+from openrlhf_async.trainer.rank import EMPTY_SAMPLE, DeepSpeedRank
+from openrlhf_async.trainer.ranks import RankGroup, ds_settings, model_settings, optimizer_settings
 
 
-class CriticActor(PolicyActor):
-    """A critic rank: the policy rank's DeepSpeed engine around a value model, trained with the clipped value loss."""
+class CriticActor(DeepSpeedRank):
+    """A critic rank: a DeepSpeed engine around a value model, trained with the clipped value loss."""
 
-    def __init__(self, rank: int, *args, **kwargs):
-        super().__init__(rank, *args, **kwargs)
-        self.timeline = Timeline(f"critic {rank}")
+    role = "critic"
 
     def _build(self, model_path, load: dict, model: dict, ds: dict):
         critic = build_value_model(model_path, load, ds["value_head_prefix"])
@@ -71,19 +62,13 @@ class CriticActor(PolicyActor):
             old, returns = (rows[key] if rows[key] is not None else torch.zeros_like(values)
                             for key in ("values", "returns"))
             loss = aggregate(value_loss(values, old, returns, loss_cfg["value_clip"]), mask, "token-mean", **share)
-            self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            self._backward(loss, last=k == len(micro_batches) - 1)
             figures["value_loss"] += float(loss)
             if loss_cfg["value_clip"] is not None:
                 figures["value_clipped"] += float((((values - old).abs() > loss_cfg["value_clip"]) * mask).sum())
             figures["values"] += float((values.detach() * mask).sum())
-        self.engine.set_gradient_accumulation_boundary(True)
-        lr = self.engine.get_lr()[0]
-        plain_norm = self._grad_norm() if self.zero_stage == 0 else None
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        grad_norm = plain_norm if grad_norm is None else grad_norm
-        return {**figures, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": lr}
+        lr, grad_norm = self._optimizer_step()
+        return {**figures, "grad_norm": grad_norm, "lr": lr}
 
     def save_hf(self, path: str, merged: bool = False) -> None:
         """The critic in OpenRLHF's format (--critic.save_value_network), from rank 0."""
@@ -98,7 +83,7 @@ class CriticActor(PolicyActor):
             self.engine.module.save(path, state)
 
 
-class CriticGroup(PolicyGroup):
+class CriticGroup(RankGroup):
     """The critic's ranks (--critic.num_nodes x --critic.num_gpus_per_node): a placement group of their own, or the
     policy's bundles with --train.colocate_all (cfg.placement)."""
 
@@ -116,13 +101,9 @@ class CriticGroup(PolicyGroup):
 
     @staticmethod
     def settings(cfg) -> dict:
-        c = cfg.critic
-        optim = {"lr": c.adam_lr, "betas": c.adam_betas, "eps": c.adam_eps, "weight_decay": c.adam_weight_decay,
-                 "max_norm": c.max_norm, "scheduler": c.lr_scheduler, "warmup_ratio": c.lr_warmup_ratio,
-                 "min_lr_ratio": c.min_lr_ratio, "total_steps": PolicyGroup.settings(cfg)["optim"]["total_steps"]}
         # The hybrid engine's sleep offloads the critic's states with the policy's (ds_settings' enable_sleep).
         ds = {**ds_settings(cfg), "lora": None, "value_head_prefix": cfg.ds.value_head_prefix}
-        return dict(backend=cfg.backend, ds=ds, seed=cfg.train.seed, reference=False, optim=optim,
+        return dict(backend=cfg.backend, ds=ds, seed=cfg.train.seed, optim=optimizer_settings(cfg, "critic"),
                     model=model_settings(cfg))
 
     def values(self, samples: list) -> list:
@@ -130,10 +111,9 @@ class CriticGroup(PolicyGroup):
         return self._per_sample(samples, "values", self.batching)
 
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
-        totals = batch_totals(samples)
-        batches, _ = self._plan(samples, micro_batch_size, self.batching["max_tokens"])
-        results = get_all([a.train_step.remote(micro, totals, loss_cfg, self.batching)
-                           for a, micro in zip(self.actors, batches)])
+        """One optimizer step of the value loss on the batch (see _train_on_ranks); the figures as OpenRLHF names
+        them."""
+        results, totals = self._train_on_ranks(samples, micro_batch_size, loss_cfg)
         total = {key: sum(r[key] for r in results) for key in ("value_loss", "value_clipped", "values")}
         tokens = totals["tokens"]
         return {"critic/value_loss": total["value_loss"], "critic/clip_ratio": total["value_clipped"] / tokens,
@@ -148,16 +128,15 @@ class CriticGroup(PolicyGroup):
         return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
 
 
-def with_critic(cfg, policy, model_path: str, group=None):
-    """The policy group with PPO's critic beside it when the run trains one (--algo.advantage.estimator gae): from
+def start_critic(cfg, model_path: str, policy, group=None):
+    """PPO's critic when the run trains one (--algo.advantage.estimator gae), else None: from
     --critic.model_name_or_path, else as OpenRLHF picks it: the (first) reward model when it alone scores (no
     --reward.remote_url, no --train.agent_func_path), else the actor's model (its head then starts at random). Its
-    ranks go in the policy's bundles with --train.colocate_all, else in `group` (the critic's kept group, which the
-    reward models share) or a group of their own."""
-    if cfg.algo.advantage_estimator == "gae":
-        reward_models = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
-        alone = reward_models and not cfg.reward.remote_url and not cfg.agent.func_path
-        group = policy.group if cfg.placement["critic"] == "policy" else group
-        policy.critic = CriticGroup(cfg, cfg.critic.model_name_or_path or (reward_models[0] if alone else model_path),
-                                    group)
-    return policy
+    ranks go in the policy's bundles (`policy`: its PolicyGroup) with --train.colocate_all, else in `group` (the
+    critic's kept group, which the reward models share) or a group of their own."""
+    if cfg.algo.advantage_estimator != "gae":
+        return None
+    reward_models = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
+    alone = reward_models and not cfg.reward.remote_url and not cfg.agent.func_path
+    group = policy.group if cfg.placement["critic"] == "policy" else group
+    return CriticGroup(cfg, cfg.critic.model_name_or_path or (reward_models[0] if alone else model_path), group)

@@ -27,7 +27,9 @@ class HybridWeightSync(WeightSync):
     a step's training and to_generate after a step that does not sync. `calls` records the order of the calls made,
     one entry each (for the run's record and the tests)."""
 
-    def __init__(self, policy, engines: list, cfg, fleet=None):
+    def __init__(self, policy, engines: list, cfg, fleet=None, critic=None):
+        """critic: PPO's critic (its CriticGroup), whose training states leave and come back with the policy's."""
+        self.critic = critic
         self.cuda = cfg.device == "cuda"
         self.engine_sleep, self.trainer_sleep = cfg.vllm.enable_sleep, cfg.ds.enable_sleep
         self.asleep = False  # the engines sleep (to_train) and have not woken yet
@@ -70,7 +72,7 @@ class HybridWeightSync(WeightSync):
         start = time.perf_counter()
         try:
             if method in ("offload_states", "reload_states"):  # the critic's with the policy's
-                return get_all(_states(self.policy, method), self.timeout + 60)
+                return get_all(_states(self.policy, self.critic, method), self.timeout + 60)
             return get_all(self.policy.call(method, *args), self.timeout + 60)
         finally:
             if method in ("offload_states", "reload_states"):
@@ -174,9 +176,9 @@ class HybridWeightSync(WeightSync):
                         for r, a in enumerate(self.policy.actors)], self.timeout + 60)
 
 
-def _states(policy, method: str) -> list:
+def _states(policy, critic, method: str) -> list:
     """offload_states / reload_states on the policy's ranks and the critic's: the object refs."""
-    return policy.call(method) + (policy.critic.call(method) if policy.critic is not None else [])
+    return policy.call(method) + (critic.call(method) if critic is not None else [])
 
 
 def _bucket_bytes(bucket: list) -> int:
@@ -191,21 +193,22 @@ def start_hybrid(cfg, model_path: str, group, fleet):
     """The ranks of the hybrid engine, loaded after its engines (vLLM checks the free device memory as it starts, so
     the engines come first, as in OpenRLHF): the engines sleep while the ranks, the critic's and the reward models
     (not running yet) load in the same bundles, the ranks' states are offloaded, then the engines wake for the first
-    batch. Returns the PolicyGroup."""
+    batch. Returns (the PolicyGroup, PPO's CriticGroup or None)."""
     import ray
 
     from openrlhf_async.reward.model import start_reward_models
-    from openrlhf_async.trainer.critic import with_critic
-    from openrlhf_async.trainer.policy import PolicyGroup
+    from openrlhf_async.trainer.critic import start_critic
+    from openrlhf_async.trainer.ranks import PolicyGroup
 
     engines = list(ray.get(fleet.active.remote()).values())
     if cfg.vllm.enable_sleep:
         get_all([e.sleep.remote(1) for e in engines])
-    policy = with_critic(cfg, PolicyGroup(cfg, model_path, group), model_path)
+    policy = PolicyGroup(cfg, model_path, group)
+    critic = start_critic(cfg, model_path, policy)
     if cfg.reward.model_name_or_path:
         start_reward_models(cfg, policy.group)
     if cfg.ds.enable_sleep:
-        get_all(_states(policy, "offload_states"))
+        get_all(_states(policy, critic, "offload_states"))
     if cfg.vllm.enable_sleep:
         get_all([e.wake_up.remote(None) for e in engines])
-    return policy
+    return policy, critic

@@ -20,9 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
-from openrlhf_async.trainer.seats import episode_parts, part_advantages, part_rewards
+from openrlhf_async.trainer import experience
 from openrlhf_async.trainer.staleness import StalenessPolicy, version_report
 from openrlhf_async.utils.ray_utils import on_this_node, raise_if_interrupted
 from openrlhf_async.utils.timeline import Timeline
@@ -65,29 +63,6 @@ def _merge_rollout_metrics(into: dict, new: dict) -> None:
     """Fold one rollout's metrics into a batch's: counters add up, the rest take the newest value."""
     for key, value in new.items():
         into[key] = into[key] + value if key.startswith(_COUNTERS) and key in into else value
-
-
-def stop_properly_penalty(episode, coef) -> float:
-    """An episode's reward after ProRL's penalty of truncated responses (--reward.stop_properly_penalty_coef): in
-    [0, 1] it scales the reward, below 0 it replaces it; None: unchanged."""
-    if coef is None or episode.finish_reason != "length":
-        return episode.reward
-    return episode.reward * coef if coef >= 0 else coef
-
-
-def training_sample(episode, advantage) -> dict:
-    """What the policy ranks train on from an episode of one segment: its tokens, which of them the model wrote,
-    their rollout logprobs, and the episode's advantage."""
-    return {"prompt_ids": episode.prompt_ids, "response_ids": episode.response_ids, "logprobs": episode.logprobs,
-            "action_mask": episode.action_mask, "advantage": advantage}
-
-
-def training_samples(episode, advantage) -> list:
-    """training_sample of each segment of an episode (Episode.segments), each with the episode's advantage, or its
-    own where `advantage` is a list of one per segment (seats.py)."""
-    parts = episode_parts(episode)
-    shares = advantage if isinstance(advantage, list) else [advantage] * len(parts)
-    return [training_sample(part, share) for part, share in zip(parts, shares)]
 
 
 def _put(queue, item, stopped: threading.Event) -> bool:
@@ -242,11 +217,12 @@ class TrainingActor:
     ("_spans"), which the metrics log writes to their own files."""
 
     def __init__(self, cfg, policy, weight_sync, queue, metrics_queue, eval_prompts: list,
-                 num_prompts: int, resumed: dict = None, stand_in_train_s: float = None):
-        """resumed: the trainer state of the checkpoint this run continues from (see trainer/checkpoint.py)."""
+                 num_prompts: int, resumed: dict = None, stand_in_train_s: float = None, critic=None):
+        """resumed: the trainer state of the checkpoint this run continues from (see trainer/checkpoint.py); critic:
+        PPO's critic (trainer/critic.py's CriticGroup) with --algo.advantage.estimator gae, else None."""
         from openrlhf_async.data.prompts import StreamProgress
 
-        self.cfg, self.policy, self.weight_sync = cfg, policy, weight_sync
+        self.cfg, self.policy, self.critic, self.weight_sync = cfg, policy, critic, weight_sync
         # --eval.steps -1: no evaluation at all, as in OpenRLHF.
         self.queue, self.metrics_queue = queue, metrics_queue
         self.eval_prompts = eval_prompts if cfg.eval.steps > 0 else []
@@ -357,7 +333,6 @@ class TrainingActor:
         """One optimizer step on a batch's groups; returns the step's training, rollout and staleness figures. The
         generator made the batch for this version and left out what would be staler than the limit here."""
         from openrlhf_async.rollout.episode import extra_log_means
-        from openrlhf_async.trainer.policy import loss_settings
 
         version, groups = self.weight_sync.version, [g for item in items for g in item.groups]
         if any(item.version != version for item in items):
@@ -368,40 +343,7 @@ class TrainingActor:
             if self.stand_in_train_s is not None:
                 time.sleep(self.stand_in_train_s)
             else:
-                a, coef = self.cfg.algo, self.cfg.reward.stop_properly_penalty_coef
-                rewards = torch.tensor([[stop_properly_penalty(ep, coef) for ep in g] for g in groups],
-                                       dtype=torch.float64)
-                lengths = torch.tensor([[sum(ep.action_mask) for ep in g] for g in groups])
-                t, loss_cfg = self.cfg.train, loss_settings(self.cfg)
-                loss_cfg["kl"] = {**loss_cfg["kl"], "coef": self.kl.value}
-                self.weight_sync.to_train()  # the hybrid engine's engines sleep
-                if a.advantage_estimator == "gae":  # the KL is in its rewards already unless --algo.kl.use_loss
-                    parts = [p for g in groups for ep in g for p in episode_parts(ep)]
-                    samples, stats = self._with_critic(parts, torch.tensor(
-                        [r for g, row in zip(groups, rewards.tolist()) for ep, reward in zip(g, row)
-                         for r in part_rewards(ep, reward)], dtype=torch.float64), version)
-                    loss_cfg["kl"]["coef"] = self.kl.value if a.kl_use_loss else 0.0
-                else:  # one advantage per episode, or per seat's sequence (seats.py)
-                    advantages = part_advantages(groups, rewards, a.advantage_estimator, a.advantage_no_std_norm,
-                                                 self.cfg.reward.clip_range, lengths)
-                    samples, stats = [s for g, row in zip(groups, advantages)
-                                      for ep, adv in zip(g, row) for s in training_samples(ep, adv)], {}
-                if self.step > self.cfg.critic.freezing_steps:  # the critic warms up first (gae)
-                    stats.update(self.policy.train_batch(samples, t.micro_batch_size, loss_cfg, t.batch_size,
-                                                         t.max_epochs, seed=t.seed + version))
-                # The KL coefficient moves after the step (--algo.kl.target), as OpenRLHF's controller does: by the
-                # step's KL and its rollout batch's samples.
-                stats["kl_coef"] = self.kl.value
-                in_reward = a.advantage_estimator == "gae" and not a.kl_use_loss
-                self.kl.update(stats["rollout/kl"] if in_reward else stats.get("kl", 0.0), rewards.numel())
-                metrics = {"reward/mean": rewards.mean().item(),
-                           "rollout/response_len_mean": lengths.double().mean().item(),
-                           # tokens the environment wrote (multi-turn observations): masked out of the loss
-                           "rollout/observation_len_mean": sum(len(ep.response_ids) - sum(ep.action_mask)
-                                                               for g in groups for ep in g) / max(1, rewards.numel()),
-                           "rollout/truncated_ratio": sum(ep.finish_reason == "length" for g in groups for ep in g)
-                           / max(1, rewards.numel()),
-                           **{k: v for k, v in stats.items() if k != "tokens"}}
+                metrics = self._train(groups, version)
         for item in items:
             _merge_rollout_metrics(metrics, item.metrics)
         metrics.update(extra_log_means(groups))  # the agents' and reward sources' extra_logs, per step
@@ -416,43 +358,50 @@ class TrainingActor:
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens_generated"] / max(1e-9, metrics["timing/generate_s"])
         return metrics
 
-    def _with_critic(self, episodes: list, rewards: torch.Tensor, version: int) -> tuple:
-        """PPO with a critic, as OpenRLHF 0.11.2 makes its experience: the policy's log-probs before the updates,
-        the reference's, the critic's values; per-token rewards (the KL penalty at each token unless
-        --algo.kl.use_loss, the episode's reward at its last), GAE's advantages (whitened over the batch's tokens)
-        and returns; then the critic's updates on the returns. Returns the samples the policy trains on and the
-        critic's and KL's figures. The values are the critic's at training time, whatever the episode's age."""
-        from openrlhf_async.trainer.losses import approx_kl, gae, token_rewards, whiten
-        from openrlhf_async.trainer.policy import loss_settings
+    def _train(self, groups: list, version: int) -> dict:
+        """The batch's samples (experience.py; with gae the critic's updates first), the policy's updates on them
+        once the critic has warmed up, and the KL coefficient moved; returns the step's figures."""
+        from openrlhf_async.trainer.ranks import loss_settings
 
-        a, t, critic = self.cfg.algo, self.cfg.train, self.policy.critic
-        if self.cfg.reward.clip_range is not None:
-            rewards = rewards.clamp(*self.cfg.reward.clip_range)
-        samples = [training_sample(ep, 0.0) for ep in episodes]  # episodes of one segment each (episode_parts)
+        a, t = self.cfg.algo, self.cfg.train
+        rewards = experience.batch_rewards(groups, self.cfg.reward.stop_properly_penalty_coef)
+        loss_cfg = loss_settings(self.cfg)
+        loss_cfg["kl"] = {**loss_cfg["kl"], "coef": self.kl.value}
+        self.weight_sync.to_train()  # the hybrid engine's engines sleep
+        if a.advantage_estimator == "gae":  # the KL is in its rewards already unless --algo.kl.use_loss
+            samples, stats = self._with_critic(groups, rewards, version)
+            loss_cfg["kl"]["coef"] = self.kl.value if a.kl_use_loss else 0.0
+        else:  # one advantage per episode, or per seat's sequence (seats.py)
+            samples, stats = experience.group_samples(groups, rewards, a, self.cfg.reward.clip_range), {}
+        if self.step > self.cfg.critic.freezing_steps:  # the critic warms up first (gae)
+            stats.update(self.policy.train_batch(samples, t.micro_batch_size, loss_cfg, t.batch_size, t.max_epochs,
+                                                 seed=t.seed + version))
+        # The KL coefficient moves after the step (--algo.kl.target), as OpenRLHF's controller does: by the step's KL
+        # and its rollout batch's samples.
+        stats["kl_coef"] = self.kl.value
+        in_reward = a.advantage_estimator == "gae" and not a.kl_use_loss
+        self.kl.update(stats["rollout/kl"] if in_reward else stats.get("kl", 0.0), rewards.numel())
+        return {**experience.rollout_figures(groups, rewards), **{k: v for k, v in stats.items() if k != "tokens"}}
+
+    def _with_critic(self, groups: list, rewards, version: int) -> tuple:
+        """PPO with a critic (experience.gae_samples): the critic's values, the reference's log-probs and the
+        policy's before the updates, GAE's advantages and returns; then the critic's updates on the returns. Returns
+        the samples the policy trains on and the critic's and KL's figures. The values are the critic's at training
+        time, whatever the episode's age."""
+        t, temperature = self.cfg.train, self.cfg.rollout.temperature
+        parts, part_rewards = experience.critic_parts(groups, rewards)
+        samples = [experience.training_sample(ep, 0.0) for ep in parts]  # episodes of one segment each
         with self.timeline.span("critic"):
-            values = critic.values(samples)
-        samples = self.policy._with_reference(samples, loss_settings(self.cfg, kl={"coef": self.kl.value}))
-        olds = self.policy.logprobs(samples, self.cfg.rollout.temperature)
-
-        def rows(lists):  # per-sample lists -> [B, T], right-padded with zeros
-            out = torch.zeros(len(lists), max(1, max(len(x) for x in lists)), dtype=torch.float64)
-            for i, x in enumerate(lists):
-                out[i, : len(x)] = torch.tensor(x, dtype=torch.float64)
-            return out
-
-        mask = rows([ep.action_mask for ep in episodes])
-        kl = (approx_kl(rows(olds), rows([s["ref_logprobs"] for s in samples]), a.kl_estimator).double() * mask
-              if "ref_logprobs" in samples[0] else torch.zeros_like(mask))
-        per_token = token_rewards(rewards, kl, mask, 0.0 if a.kl_use_loss else self.kl.value)
-        advantages, returns = gae(rows(values), per_token, mask, a.advantage_gamma, a.advantage_lambd)
-        advantages = whiten(advantages, mask, a.advantage_no_std_norm)
-        samples = [{**s, "advantage": advantages[i, :n].tolist(), "returns": returns[i, :n].tolist(),
-                    "values": values[i], "old_logprobs": olds[i]}
-                   for i, (s, n) in enumerate(zip(samples, (len(ep.response_ids) for ep in episodes)))]
-        stats = {"rollout/kl": float((kl * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).mean())}
+            values = self.critic.values(samples)
+        samples = self.policy.with_reference(samples, temperature, self.kl.value)
+        olds = self.policy.logprobs(samples, temperature)
+        samples, kl = experience.gae_samples(samples, part_rewards, values, olds, self.cfg.algo, self.kl.value,
+                                             self.cfg.reward.clip_range)
+        stats = {"rollout/kl": kl}
         with self.timeline.span("critic"):
-            stats.update(critic.train_batch(samples, t.micro_batch_size, {"value_clip": self.cfg.critic.value_clip},
-                                            t.batch_size, t.max_epochs, seed=t.seed + version))
+            stats.update(self.critic.train_batch(samples, t.micro_batch_size,
+                                                 {"value_clip": self.cfg.critic.value_clip}, t.batch_size,
+                                                 t.max_epochs, seed=t.seed + version))
         stats["timing/critic_s"] = self.timeline.seconds.get("critic", 0.0) - self._critic_seconds
         self._critic_seconds = self.timeline.seconds.get("critic", 0.0)
         return samples, stats
@@ -519,7 +468,7 @@ class TrainingActor:
         from openrlhf_async.rollout.engine import submit
 
         spans = self.timeline.take() + [span for item in items for span in item.spans]
-        critic = self.policy.critic.actors if self.policy.critic is not None else []
+        critic = self.critic.actors if self.critic is not None else []
         for ref in [submit(a, "take_spans") for a in self.weight_sync.engines + self.policy.actors + critic
                     + reward_model_actors(self.cfg)]:
             try:
@@ -540,7 +489,7 @@ class TrainingActor:
                 time.sleep(0.05)
             c = self.cfg.ckpt
             checkpoint.save(self.cfg.ckpt_path, step, self.policy, state, c.max_num, deepspeed=not c.disable_ds,
-                            hf=c.save_hf or c.disable_ds)
+                            hf=c.save_hf or c.disable_ds, critic=self.critic)
 
 
 class PPOTrainerAsync:
@@ -548,8 +497,9 @@ class PPOTrainerAsync:
     when either fails (raising its error) or training is done."""
 
     def __init__(self, cfg, engines: list, policy, weight_sync, train_prompts: list, eval_prompts: list,
-                 resumed: dict = None, stand_in_train_s: float = None):
-        """resumed: the trainer state of the checkpoint to continue from (its weights are loaded and synced)."""
+                 resumed: dict = None, stand_in_train_s: float = None, critic=None):
+        """resumed: the trainer state of the checkpoint to continue from (its weights are loaded and synced); critic:
+        PPO's critic beside the policy, or None."""
         import ray
         from ray.util.queue import Queue
 
@@ -565,7 +515,7 @@ class PPOTrainerAsync:
             cfg, engines, train_prompts, self.queue, resumed and resumed["data_position"], weight_sync.fleet)
         self.trainer = ray.remote(TrainingActor).options(**options).remote(
             cfg, policy, weight_sync, self.queue, self.metrics_queue, eval_prompts, len(train_prompts),
-            resumed, stand_in_train_s)
+            resumed, stand_in_train_s, critic)
 
     def _drain_metrics(self, log) -> None:
         while self.metrics_queue.qsize():

@@ -30,13 +30,13 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
     train_prompts = skip_unfit_prompts(train_prompts, cfg.data.max_len, "--data.prompt_dataset", mark=True)
     eval_prompts = skip_unfit_prompts(eval_prompts, cfg.data.max_len, "--eval.dataset", mark=False)
 
-    fleet, policy = start_actors(cfg, model_path)
+    fleet, policy, critic = start_actors(cfg, model_path)
     try:
         ray.get(fleet.wait_ready.remote())
         setup_s = time.perf_counter() - start
-        result, resumed, policy = _run_pipeline(cfg, model_path, fleet, policy, tokenizer, train_prompts,
-                                                eval_prompts, resume)
-        output_dir = save_model(cfg, policy)
+        result, resumed, policy, critic = _run_pipeline(cfg, model_path, fleet, policy, critic, tokenizer,
+                                                        train_prompts, eval_prompts, resume)
+        output_dir = save_model(cfg, policy, critic)
     finally:
         ray.get(fleet.shutdown.remote())
         ray.kill(fleet)
@@ -69,15 +69,15 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
 
 
 def start_actors(cfg, model_path: str) -> tuple:
-    """(engine fleet, policy ranks), loading side by side. The ranks' placement group is placed before any engine's,
-    so PACK puts the ranks on as few nodes as hold them (started together, the engines' groups could take part of a
-    node first and split the ranks), and the folders they write are checked to be the driver's (utils/cluster.py)
-    before anything loads."""
+    """(engine fleet, policy ranks, PPO's critic or None), loading side by side. The ranks' placement group is placed
+    before any engine's, so PACK puts the ranks on as few nodes as hold them (started together, the engines' groups
+    could take part of a node first and split the ranks), and the folders they write are checked to be the driver's
+    (utils/cluster.py) before anything loads."""
     from concurrent.futures import ThreadPoolExecutor
 
     from openrlhf_async.rollout.fleet import start_fleet
-    from openrlhf_async.trainer.critic import with_critic
-    from openrlhf_async.trainer.policy import PolicyGroup, trainer_placement_group
+    from openrlhf_async.trainer.critic import start_critic
+    from openrlhf_async.trainer.ranks import PolicyGroup, trainer_placement_group
     from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
 
     group = trainer_placement_group(cfg)
@@ -86,9 +86,8 @@ def start_actors(cfg, model_path: str) -> tuple:
         else None
     check_shared_folders(cfg, group_nodes(group))
     if cfg.reward.model_name_or_path:
-        from openrlhf_async.reward.model import reward_model_names, start_reward_models
+        from openrlhf_async.reward.model import start_reward_models
 
-        cfg.reward.models = reward_model_names(cfg)  # the engines find them by these names
         if not cfg.hybrid:  # the hybrid engine starts them while its engines sleep
             start_reward_models(cfg, critic_group or (group if cfg.placement["rewards"] == "policy" else None))
     if cfg.hybrid:  # the engines first, in the ranks' bundles (trainer/hybrid.py)
@@ -98,36 +97,37 @@ def start_actors(cfg, model_path: str) -> tuple:
 
         fleet = start_fleet(cfg, model_path, group)
         ray.get(fleet.wait_ready.remote())
-        return fleet, start_hybrid(cfg, model_path, group, fleet)
+        return (fleet, *start_hybrid(cfg, model_path, group, fleet))
     with ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(PolicyGroup, cfg, model_path, group)
         fleet = start_fleet(cfg, model_path)
-        return fleet, with_critic(cfg, ranks.result(), model_path, critic_group)
+        policy = ranks.result()
+        return fleet, policy, start_critic(cfg, model_path, policy, critic_group)
 
 
-def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts: list, eval_prompts: list,
+def _run_pipeline(cfg, model_path: str, fleet, policy, critic, tokenizer, train_prompts: list, eval_prompts: list,
                   resume) -> tuple:
     """The pipeline from the start or from `resume`; when a policy rank, the trainer or the generator dies, again
     from the newest complete checkpoint with new ranks (the engines are kept), up to --ckpt.max_auto_resumes times.
-    Returns (the trainer's summary, the trainer state it last resumed from, the policy)."""
+    critic: PPO's critic beside the policy, or None. Returns (the trainer's summary, the trainer state it last
+    resumed from, the policy, the critic)."""
     from openrlhf_async.trainer import checkpoint
-    from openrlhf_async.trainer.critic import with_critic
     from openrlhf_async.trainer.pipeline import PPOTrainerAsync
-    from openrlhf_async.trainer.policy import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
     from openrlhf_async.utils.cluster import check_shared_folders, group_nodes
     from openrlhf_async.utils.metrics import MetricsLog
     from openrlhf_async.utils.samples import SampleText
 
-    from openrlhf_async.trainer.hybrid import HybridWeightSync, start_hybrid
+    from openrlhf_async.trainer.hybrid import HybridWeightSync
 
     auto_resumes = 0
     while True:
-        weight_sync = (HybridWeightSync if cfg.hybrid else WeightSync)(policy, None, cfg, fleet=fleet)
+        weight_sync = HybridWeightSync(policy, None, cfg, fleet=fleet, critic=critic) if cfg.hybrid else \
+            WeightSync(policy, None, cfg, fleet=fleet)
         resumed = None
         if resume is not None:
             path, resumed = resume
-            checkpoint.load(path, policy)
+            checkpoint.load(path, policy, critic)
             weight_sync.sync(version=resumed["weight_version"])  # the engines start from the checkpoint's weights
             print(f"resumed from {path}: step {resumed['step']}, weight version {resumed['weight_version']}",
                   flush=True)
@@ -136,35 +136,49 @@ def _run_pipeline(cfg, model_path: str, fleet, policy, tokenizer, train_prompts:
                          samples=SampleText(tokenizer, train_prompts + eval_prompts))
         pipeline = None
         try:
-            pipeline = PPOTrainerAsync(cfg, None, policy, weight_sync, train_prompts, eval_prompts, resumed)
+            pipeline = PPOTrainerAsync(cfg, None, policy, weight_sync, train_prompts, eval_prompts, resumed,
+                                       critic=critic)
             result = pipeline.run(log.log)
-            return {**result, "auto_resumes": auto_resumes}, resumed, policy
+            return {**result, "auto_resumes": auto_resumes}, resumed, policy, critic
         except Exception as error:
             resume = _auto_resume(cfg, error, auto_resumes)
             if resume is None:
-                _keep_trained_model(cfg, policy, pipeline, log, resumed)
+                _keep_trained_model(cfg, policy, critic, pipeline, log, resumed)
                 raise
             auto_resumes += 1
         finally:
             log.close()
-        # Groups that other models share outlive the ranks: the new ranks take them again.
-        kept = None if policy.owns_group else policy.group
-        critic_kept = policy.critic.group if policy.critic is not None and cfg.placement["rewards"] == "critic" \
-            else None
-        policy.shutdown()
-        policy = start_hybrid(cfg, model_path, kept, fleet) if cfg.hybrid else \
-            with_critic(cfg, PolicyGroup(cfg, model_path, kept), model_path, critic_kept)
+        policy, critic = _restart_ranks(cfg, model_path, fleet, policy, critic)
         check_shared_folders(cfg, group_nodes(policy.group))  # the new ranks may sit on other nodes
 
 
-def save_model(cfg, policy) -> str:
+def _restart_ranks(cfg, model_path: str, fleet, policy, critic) -> tuple:
+    """Kill the policy's and the critic's ranks and start new ones: (policy, critic). Groups that other models share
+    outlive the ranks: the new ranks take them again."""
+    from openrlhf_async.trainer.critic import start_critic
+    from openrlhf_async.trainer.hybrid import start_hybrid
+    from openrlhf_async.trainer.ranks import PolicyGroup
+
+    kept = None if policy.owns_group else policy.group
+    critic_kept = critic.group if critic is not None and cfg.placement["rewards"] == "critic" else None
+    if critic is not None:
+        critic.shutdown()
+    policy.shutdown()
+    if cfg.hybrid:
+        return start_hybrid(cfg, model_path, kept, fleet)
+    policy = PolicyGroup(cfg, model_path, kept)
+    return policy, start_critic(cfg, model_path, policy, critic_kept)
+
+
+def save_model(cfg, policy, critic=None) -> str:
     """Save the policy in HF format to --ckpt.output_dir, or, when that fails (a full or read-only disk), to
-    <run dir>/final_hf with a warning, rather than lose it; returns where it went."""
+    <run dir>/final_hf with a warning, rather than lose it; returns where it went. With --critic.save_value_network
+    the critic too, beside it."""
     from openrlhf_async.utils.metrics import warn
     from openrlhf_async.utils.ray_utils import actor_died, root_cause
 
-    if policy.critic is not None and cfg.critic.save_value_network:  # beside the model, as OpenRLHF names it
-        get_all(policy.critic.call("save_hf", cfg.output_dir.rstrip("/") + "_critic"))
+    if critic is not None and cfg.critic.save_value_network:  # beside the model, as OpenRLHF names it
+        get_all(critic.call("save_hf", cfg.output_dir.rstrip("/") + "_critic"))
     try:
         get_all(policy.call("save_hf", cfg.output_dir, cfg.ds.lora_save_merged))
         return cfg.output_dir
@@ -178,7 +192,7 @@ def save_model(cfg, policy) -> str:
     return fallback
 
 
-def _keep_trained_model(cfg, policy, pipeline, log, resumed) -> None:
+def _keep_trained_model(cfg, policy, critic, pipeline, log, resumed) -> None:
     """A run stopping on an error after it trained a step saves the policy as trained so far (save_model) when its
     ranks still answer, and says where and at which step."""
     from openrlhf_async.utils.metrics import warn
@@ -195,7 +209,7 @@ def _keep_trained_model(cfg, policy, pipeline, log, resumed) -> None:
     try:
         # Ranks still busy with a step the stopped trainer gave them answer when it is done; a dead one fails at once.
         get_all([actor.ready.remote() for actor in policy.actors], timeout_s=RANKS_ANSWER_S)
-        where = save_model(cfg, policy)
+        where = save_model(cfg, policy, critic)
     except Exception as error:
         warn(f"the run stopped on an error after step {step}; the model trained so far could not be saved "
              f"({root_cause(error)})")

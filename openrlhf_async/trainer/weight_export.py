@@ -1,0 +1,201 @@
+"""The trainer side of the weight transfer into the vLLM engines (vLLM's weight_transfer: a weight source and a
+trainer-side engine per transport): what the engines load, gathered from the policy rank's ZeRO partitions a bucket
+at a time, and the three ways it travels:
+
+- broadcast: rank 0 sends each bucket over the weight-sync group (NCCL on GPU, gloo on CPU; rollout/sync_group.py),
+  which trainer/weight_sync.py forms with the engines' workers;
+- a shared-memory file: the hybrid engine on cpu, the rank on an engine's devices writes each bucket where its engine
+  maps it (trainer/hybrid.py);
+- CUDA IPC: the hybrid engine on cuda, the ranks' copies of each bucket exported as handles in vLLM's IPC form.
+
+Every rank gathers every bucket (a ZeRO-3 collective), whatever the transport. A policy rank (policy.py) holds one;
+the receiving side is rollout/weight_transfer.py."""
+
+import contextlib
+import os
+
+import torch
+
+from openrlhf_async.utils.ports import free_port
+
+# The probe a weight sync checks the engines with: the engines' greedy continuation of each, scored by the trainer.
+PROBE_TEXTS = ("The capital of France is", "12 + 30 =")
+
+
+def weight_sources(module, lora: bool) -> list:
+    """What the engines load, in the module's order: (the name vLLM knows, the parameters its value is made of, the
+    adapter's scaling). Without LoRA, each parameter as it is. With LoRA, the base model's names, and an adapted
+    layer's weight merged: W + scaling x B @ A (computed apart, nothing merged in place: under ZeRO-3 W is a
+    partition)."""
+    if not lora:
+        return [(name, [p], None) for name, p in module.named_parameters()]
+    base = module.get_base_model()
+    layers = dict(base.named_modules())
+    sources = []
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            layer = layers[name[: -len(".base_layer.weight")]]
+            sources.append((name.replace(".base_layer", ""),
+                            [p, layer.lora_A["default"].weight, layer.lora_B["default"].weight],
+                            layer.scaling["default"]))
+        else:
+            sources.append((name.replace(".base_layer", ""), [p], None))
+    return sources
+
+
+def source_value(params: list, scaling) -> torch.Tensor:
+    """A weight as the engines load it, from its (gathered) parameters (weight_sources)."""
+    if scaling is None:
+        return params[0].data
+    weight, a, b = (t.data for t in params)
+    return (weight.float() + (b.float() @ a.float()) * scaling).to(weight.dtype)
+
+
+def probe_ids(model_path) -> list:
+    """The token ids of the fixed probe texts the weight sync checks the engines with (trainer/weight_sync.py)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return [tokenizer(text)["input_ids"] for text in PROBE_TEXTS]
+
+
+class WeightExport:
+    """One policy rank's weights as the engines load them, and its part in each transport."""
+
+    def __init__(self, module, lora: bool, zero_stage: int, rank: int, timeline):
+        """module: the rank's trained module (DeepSpeed's engine.module); timeline: the rank's, for its sync spans."""
+        self.module, self.zero_stage, self.rank, self.timeline = module, zero_stage, rank, timeline
+        self.sources = weight_sources(module, lora)
+        self.sync_group = None  # rank 0's side of the weight-sync group
+        self.weight_file = self.held = None  # the hybrid engine's: shared bucket (cpu) or IPC-shared tensors (cuda)
+
+    def _device(self):
+        return next(self.module.parameters()).device
+
+    def named_shapes(self) -> list:
+        """[(name, dtype, shape)] of what the engines load (weight_sources), in order."""
+        return [(name, str(params[0].dtype).replace("torch.", ""), tuple(getattr(params[0], "ds_shape", params[0].shape)))
+                for name, params, _ in self.sources]
+
+    @contextlib.contextmanager
+    def gathered(self, names: list):
+        """The named weights' sources gathered (a collective over the ZeRO-3 ranks: every rank enters with the same
+        names); yields a function returning their values as the engines load them."""
+        import deepspeed
+
+        by_name = {name: (params, scaling) for name, params, scaling in self.sources}
+        chosen = [by_name[n] for n in names]
+        with deepspeed.zero.GatheredParameters([p for params, _ in chosen for p in params],
+                                               enabled=self.zero_stage == 3):
+            yield lambda: [source_value(params, scaling) for params, scaling in chosen]
+
+    def read_weight(self, name: str) -> torch.Tensor:
+        """A weight as the engines load it (with LoRA: the base's name, merged), gathered: a collective."""
+        with self.gathered([name]) as values:
+            return values()[0].detach().float().cpu().clone()
+
+    # ---- broadcast over the weight-sync group ----------------------------------------------------------------------
+
+    def weight_sync_address(self) -> tuple:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        if self.rank != 0:
+            return
+        from openrlhf_async.rollout.sync_group import SyncGroup
+
+        if self.sync_group is not None:  # a group of earlier members
+            self.sync_group.close()
+            self.sync_group = None
+        self.sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, self._device())
+
+    def broadcast_weights(self, buckets: list) -> bool:
+        """Gather each bucket's parameters (collective over the ZeRO-3 ranks) and broadcast them from rank 0.
+        Returns whether every broadcast completed (not merely started: NCCL's wait does not block): when one fails
+        (an engine died or hangs), rank 0 stops broadcasting but keeps gathering with the other ranks, so the
+        trainer's own collectives stay in step, and the group is aborted."""
+        ok = True
+        with self.timeline.span("sync"):
+            for bucket in buckets:
+                with self.gathered([name for name, _, _ in bucket]) as values:
+                    if self.rank == 0 and ok:
+                        flat = torch.cat([t.reshape(-1) for t in values()])
+                        ok = self._sync_step(self.sync_group.broadcast, flat)
+            if self.rank == 0 and ok:
+                ok = self._sync_step(self.sync_group.complete)
+        return ok
+
+    @staticmethod
+    def _sync_step(step, *args) -> bool:
+        try:
+            step(*args)
+            return True
+        except Exception as e:  # the group is aborted: the trainer drops its bad members and forms it again
+            print(f"weight broadcast failed: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+            return False
+
+    # ---- a shared-memory file (the hybrid engine on cpu) -------------------------------------------------------------
+
+    def open_weight_file(self, size: int) -> str:
+        """A shared-memory file of size bytes that this rank writes a bucket at a time and the engine on its devices
+        maps (the hybrid engine on cpu); its path."""
+        import tempfile
+
+        self.unlink_weight_file()
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="openrlhf_async-weights-", dir=folder)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self.weight_file = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        return path
+
+    def unlink_weight_file(self) -> None:
+        """Remove the file's name once its engine mapped it: the mappings stay, nothing is left behind."""
+        if self.weight_file is not None and self.weight_file[0]:
+            try:
+                os.unlink(self.weight_file[0])
+            except OSError:
+                pass
+            self.weight_file = ("", self.weight_file[1])
+
+    def write_bucket(self, bucket: list) -> bool:
+        """Gather one bucket's parameters (collective over the ZeRO-3 ranks) and, on a rank with a weight file, write
+        them there flat, for its engine's update_weights."""
+        with self.timeline.span("sync"), self.gathered([name for name, _, _ in bucket]) as values:
+            if self.weight_file is not None:
+                flat = self.weight_file[1]
+                offset = 0
+                for t in values():
+                    data = t.reshape(-1)
+                    size = data.numel() * data.element_size()
+                    flat[offset : offset + size].view(data.dtype).copy_(data)
+                    offset += size
+        return True
+
+    # ---- CUDA IPC (the hybrid engine on cuda) ------------------------------------------------------------------------
+
+    def share_bucket(self, bucket: list, owner: bool):
+        """cuda: gather one bucket's parameters and, on a rank with an engine on its GPU, copy them into tensors kept
+        until release_shared, exported as CUDA IPC handles: per parameter {this GPU's UUID: rebuild args}, the form of
+        vLLM's IPC weight-transfer engine. Not run here (no GPU in this project's CI)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        handles = None
+        with self.timeline.span("sync"), self.gathered([name for name, _, _ in bucket]) as values:
+            if owner:
+                uuid = str(torch.cuda.get_device_properties(self._device()).uuid)
+                kept = [t.detach().clone() for t in values()]
+                self.held = (self.held or []) + kept  # the engine reads them until its finish_weight_update
+                handles = [{uuid: reduce_tensor(t)[1]} for t in kept]
+        return handles
+
+    def release_shared(self) -> None:
+        self.held = None
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
