@@ -131,6 +131,29 @@ class ChatTurn:
         return close + self.open + observation + self.after
 
 
+async def _agent_step(agent, ep: Episode, state: str, action: str, label, step_timeout: float):
+    """The agent's step on `action`: (its result, the reward summed over the turns, the score), or None with
+    ep.error set and the episode's reward 0 when the step raised, timed out or gave a reward that is not a number
+    (the user's code: contained, counted, and the run goes on)."""
+    try:
+        result = await agent.step(state, action, label, step_timeout)
+        reward = check_reward(ep.raw_reward + check_reward(result.reward, f"turn {ep.turns} reward"),
+                              f"the reward summed over {ep.turns} turns")
+        # As OpenRLHF: the last step's score if it gives one, else the reward so far.
+        score = reward if result.score is None else check_reward(result.score, f"turn {ep.turns} score")
+        return result, reward, score
+    except RewardTimeout as e:  # the step's reward call (e.g. the built-in math-verify) ran out of time
+        ep.error = ("reward_timeout", f"{type(e).__name__}: {e}")
+    except RewardError as e:
+        ep.error = ("reward_error", f"{type(e).__name__}: {e}")
+    except (asyncio.TimeoutError, TimeoutError):
+        ep.error = ("timeout", f"agent step timed out after {step_timeout:g} s")
+    except Exception as e:
+        ep.error = ("error", f"{type(e).__name__}: {e}")
+    ep.score = ep.raw_reward = 0.0
+    return None
+
+
 async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampling: dict, budget: int,
                       max_steps: int, step_timeout: float, request_id: str, chat_turn: Optional[ChatTurn] = None
                       ) -> Episode:
@@ -153,24 +176,10 @@ async def run_episode(generate, agent, tokenizer, prompt_ids: list, label, sampl
             ep.aborted = True
             break
         action = tokenizer.decode(out["response_ids"], skip_special_tokens=True)
-        try:
-            result = await agent.step(state, action, label, step_timeout)
-            reward = check_reward(ep.raw_reward + check_reward(result.reward, f"turn {ep.turns} reward"),
-                                  f"the reward summed over {ep.turns} turns")
-            # As OpenRLHF: the last step's score if it gives one, else the reward so far.
-            score = reward if result.score is None else check_reward(result.score, f"turn {ep.turns} score")
-        except RewardTimeout as e:  # the step's reward call (e.g. the built-in math-verify) ran out of time
-            ep.error = ("reward_timeout", f"{type(e).__name__}: {e}")
-        except RewardError as e:
-            ep.error = ("reward_error", f"{type(e).__name__}: {e}")
-        except (asyncio.TimeoutError, TimeoutError):
-            ep.error = ("timeout", f"agent step timed out after {step_timeout:g} s")
-        except Exception as e:  # the user's code: contain it, count it, keep the run going
-            ep.error = ("error", f"{type(e).__name__}: {e}")
-        if ep.error:
-            ep.score = ep.raw_reward = 0.0
+        stepped = await _agent_step(agent, ep, state, action, label, step_timeout)
+        if stepped is None:
             break
-        ep.score, ep.raw_reward = score, reward
+        result, ep.raw_reward, ep.score = stepped
         ep.extra_info = result.extra_info
         if result.sampling_params:
             sampling = {**sampling, **result.sampling_params}
