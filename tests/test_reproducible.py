@@ -1,8 +1,10 @@
 """Same seed, same run: two sync runs through the CLI with the same --train.seed and flags log the same metrics (their
 timings aside) and end with the same weights; another seed samples other answers. Every vLLM request's seed derives
 from the run's seed and the request's place (rollout/seeds.py), and without the first-to-finish early stop no batch
-depends on which group finished first."""
+depends on which group finished first. The three runs go side by side (each its own Ray instance): no figure of a
+sync run may depend on the timing, which running them beside each other also puts to the test."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -29,9 +31,9 @@ def run(tmp_path, name: str, seed: int) -> tuple:
 
 
 def test_two_sync_runs_with_one_seed_are_the_same_run_and_another_seed_is_not(tmp_path):
-    first, weights = run(tmp_path, "first", 7)
-    again, weights_again = run(tmp_path, "again", 7)
-    other, weights_other = run(tmp_path, "other", 8)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(run, tmp_path, name, seed) for name, seed in (("first", 7), ("again", 7), ("other", 8))]
+        (first, weights), (again, weights_again), (other, weights_other) = [r.result() for r in runs]
     assert len(first) == 4 and "rollout/score_all_mean" in first[1] and "eval/accuracy" in first[-1]
     for step, (a, b) in enumerate(zip(first, again)):
         assert a == b, f"step {step}: " + ", ".join(f"{k} {a.get(k)} != {b.get(k)}" for k in sorted(set(a) | set(b))
