@@ -46,11 +46,17 @@ def control(tmp_path_factory):
     return [m["rollout/score_all_mean"] for m in trained]
 
 
-# The fully async run is left to `make test-long`: with the shipped model its last ten steps scored 0.540 against
-# the control's 0.642 in the one run made (2026-11-27, other tests beside it), below the sync run's; why is open.
+# The fully async run learns at a third of the preset's learning rate. At 3e-4 each step moves the tiny policy by
+# 0.1-0.24 nats (vllm_kl), so the samples it trains on, 1-2 versions old, come from a policy far from the current
+# one: its scores fell from 0.65 to 0.28 by step 9 and were back to 0.61 only by steps 41-50 (its own control: 0.615).
+# At 1e-4 they rose without a dip, to 0.732 over the last ten steps (2026-11-27). Left to `make test-long` for the
+# suite's time.
+FLAGS = {"sync": (), "fully_async": ("--actor.adam.lr", "1e-4")}
+
+
 @pytest.mark.parametrize("mode", ["sync", pytest.param("fully_async", marks=pytest.mark.long)])
 def test_the_built_in_task_is_learned(tmp_path, control, mode):
-    trained, summary, stdout = train(tmp_path, mode, mode)
+    trained, summary, stdout = train(tmp_path, mode, mode, *FLAGS[mode])
     scores = [m["rollout/score_all_mean"] for m in trained]
     last, control_last = statistics.mean(scores[-10:]), statistics.mean(control[-10:])
     assert last > control_last, f"mean score of the last 10 steps {last:.3f}, without learning {control_last:.3f}"
