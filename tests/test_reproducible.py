@@ -22,7 +22,8 @@ def run(tmp_path, name: str, seed: int) -> tuple:
     command = [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"), "--mode", "sync",
                "--no-rollout.early_stop", "--train.seed", str(seed), "--train.max_steps", "3",
                "--rollout.batch_size", "8", "--train.batch_size", "64", "--train.micro_batch_size", "16",
-               "--eval.steps", "3", "--runs_dir", str(tmp_path), "--run_name", name, "--no-progress"]
+               "--eval.steps", "3", "--eval.max_samples", "48", "--runs_dir", str(tmp_path), "--run_name", name,
+               "--no-progress"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=540, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

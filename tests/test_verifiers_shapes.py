@@ -409,7 +409,7 @@ def test_a_game_with_named_seats_trains_each_seat_on_its_own_payoff(tmp_path):
         [sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
          "--agent.verifiers_env", user_file(tmp_path, "vf_duel.py", DUEL), "--agent.verifiers_max_tasks", "8",
          "--runs_dir", str(tmp_path / "runs"), "--run_name", "vf", "--no-progress", "--train.max_steps", "2",
-         "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16",
+         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "8",
          "--rollout.max_new_tokens", "32", "--logger.log_samples", "4", "--rollout.unbiased_early_stop"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -344,7 +344,8 @@ class LLMRayActorAsync:
     async def read_weight(self, name: str):
         import torch
 
-        return torch.as_tensor((await self.engine.collective_rpc("read_weight", args=(name,)))[0])
+        data, shape = (await self.engine.collective_rpc("read_weight", args=(name,)))[0]
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
 
 
 def all_engines_dead(count: int, last_error: BaseException) -> RuntimeError:

@@ -116,12 +116,18 @@ def _init_distributed(backend: str) -> None:
 
     if backend == "gloo":
         make_collectives_synchronous()
-        # DeepSpeed compiles a shared-memory all-reduce at every CPU start for inference only (training never uses
-        # it); a build killed midway leaves torch's lock file behind and every later start waits on it for ever.
-        import deepspeed.comm.torch
-
-        deepspeed.comm.torch.build_shm_op = lambda: None
+        skip_shared_memory_op()
     deepspeed.init_distributed(dist_backend=backend)
+
+
+def skip_shared_memory_op() -> None:
+    """DeepSpeed compiles a shared-memory all-reduce at every CPU start, for inference only (training never uses it):
+    about 25 s of a C++ build on 2 cores at a user's first run, and a build killed midway leaves torch's lock file
+    behind, on which every later start waits for ever. Set by module name: `deepspeed.comm.torch` read as an attribute
+    is PyTorch itself (deepspeed.comm imports torch)."""
+    import importlib
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def build_optimizer(trainable: list, optim: dict, ds: dict, device: str):
