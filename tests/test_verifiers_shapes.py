@@ -400,6 +400,9 @@ def test_every_segments_row_in_the_samples_carries_its_episodes_label():
     assert [(r["prompt"], r["label"]) for r in rows] == [("1 2", "L"), ("8 9", "L")]
 
 
+# A minute through the CLI, so with the long tests (make test-long): in the default suite the seats' runtime, harness
+# and payoffs are checked above and below in process, and test_verifiers_env trains an environment through the CLI.
+@pytest.mark.long
 def test_a_game_with_named_seats_trains_each_seat_on_its_own_payoff(tmp_path):
     # Through the CLI on the embedded tiny model: an endless task list read as far as --agent.verifiers_max_tasks,
     # tasks the environment opens itself, named seats, a checker running each answer in the sandbox.
