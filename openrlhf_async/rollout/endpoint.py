@@ -347,10 +347,11 @@ class Endpoint:
     async def start(cls, actor, model_path: str, agent) -> "Endpoint":
         """vLLM's app over the actor's engine; listening on --agent.openai_host:--agent.openai_port (+ the engine's
         index) when a port is given."""
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        from openrlhf_async.rollout.vllm_compat import openai_server
+
+        build_app, init_app_state, make_arg_parser = openai_server()
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(serving_args(model_path, agent))
         client = _Recorder(actor)

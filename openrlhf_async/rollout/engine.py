@@ -11,6 +11,7 @@ from typing import Optional
 
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
+from openrlhf_async.rollout import vllm_compat
 from openrlhf_async.rollout.group_runner import GroupRunner
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
 from openrlhf_async.utils.ray_utils import get_all
@@ -46,6 +47,8 @@ class LLMRayActorAsync:
 
         from openrlhf_async.rollout import weight_transfer
         from openrlhf_async.utils.timeline import Timeline
+
+        vllm_compat.check_release()  # this node's vLLM: the driver checked its own
 
         self.timeline = Timeline(f"engine {engine_index}")
         if vllm.tensor_parallel_size == 1 and not hybrid:  # a hybrid engine starts before the ranks hold any
@@ -111,9 +114,9 @@ class LLMRayActorAsync:
         return (await self.endpoint()).base_url()
 
     async def get_weight_version(self) -> int:
-        """The version vLLM holds (finish_weight_update set it; "default" before the first sync: 0)."""
-        version = await self.engine.get_weight_version()
-        return int(version) if version.isdigit() else 0
+        """The version vLLM holds (finish_weight_update set it; 0 before the first sync), or this actor's own count
+        where the release keeps none (rollout/vllm_compat.py)."""
+        return await vllm_compat.weight_version(self.engine, self.weight_version)
 
     def take_spans(self) -> list:
         """Spans since the last call: "generate" while any request is in flight, "sync" while loading weights."""
@@ -287,7 +290,7 @@ class LLMRayActorAsync:
             await self.engine.start_weight_update()
             await self.engine.update_weights(WeightTransferUpdateRequest(
                 update_info={"names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes]}))
-            await self.engine.finish_weight_update(str(version))
+            await vllm_compat.finish_weight_update(self.engine, version)
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._mark_versions(version)
         self.weight_version = version
@@ -319,6 +322,8 @@ class LLMRayActorAsync:
         transport's file, or the IPC engine's packing."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        if self.engine.vllm_config.weight_transfer_config.backend == "ipc":
+            init_info = vllm_compat.ipc_init_info(init_info)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
     async def start_weight_update(self) -> None:
@@ -334,7 +339,7 @@ class LLMRayActorAsync:
     async def finish_weight_update(self, version: int) -> int:
         """Every bucket arrived: vLLM finishes the reload and holds this version; the tokens generated from here on
         carry it."""
-        await self.engine.finish_weight_update(str(version))
+        await vllm_compat.finish_weight_update(self.engine, version)
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._mark_versions(version)
         self.weight_version = version

@@ -5,11 +5,16 @@ gloo on CPU, NCCL on GPU: the backend is part of its init info) and loads the bu
 through vLLM's layerwise reload, the path `reload_weights` takes, which works on CPU after start-up where a bare
 `model.load_weights` does not.
 
-Why not vLLM's own `nccl` engine on GPU: it broadcasts through a PyNcclCommunicator with no timeout
-(nccl_engine.py, NCCLWeightTransferEngine.receive_weights), ends every update in an unbounded
-`torch.accelerator.synchronize()` (base.py, WeightTransferEngine.update_weights), and its shutdown only drops the
-communicator (NCCLWeightTransferEngine.shutdown): a dead trainer or peer would hang the worker for ever, and a failed
-group could not be aborted before it is formed again. This engine bounds and checks completion, and aborts."""
+Why not vLLM's own `nccl` engine on GPU, read again in vLLM 0.32.0 (vllm/distributed/weight_transfer/): its
+broadcasts have no time-out (nccl_engine.py:208 and 224, PyNcclCommunicator.broadcast), every update ends in an
+unbounded `torch.accelerator.synchronize()` (base.py:502, WeightTransferEngine.update_weights), and its rendezvous
+takes the store's default 300 s, which its init info cannot change. 0.32 added
+`AsyncLLM.shutdown_weight_transfer_engine` (v1/engine/async_llm.py:1328), which aborts the communicator
+(pynccl.py:250-266), but as an RPC to the worker it runs only once a hung broadcast has returned: a dead trainer or
+peer still hangs the worker for ever. This engine bounds
+each broadcast and checks its completion on both sides (sync_group.SyncGroup), aborts a failed group before another
+forms, and is the same on every vLLM this project runs on (0.26 to 0.32: rollout/vllm_compat.py). vLLM's `ipc`
+engine is used as it is (the hybrid engine on cuda)."""
 
 from dataclasses import dataclass
 
@@ -140,6 +145,12 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         if self.group is not None:
             self.group.close()
             self.group = None
+
+    @staticmethod
+    def trainer_send_weights(*args, **kwargs) -> None:
+        """Abstract in vLLM's base class before 0.29 (rollout/vllm_compat.py); the trainer's side of this engine is
+        trainer/weight_export.py over sync_group.SyncGroup."""
+        raise NotImplementedError("openrlhf_async's trainer sends with trainer/weight_export.py")
 
 
 def _retie_word_embeddings(model) -> None:
