@@ -80,7 +80,7 @@ VLLM_VENV = .venv-vllm-$(VLLM)
 VLLM_TORCH = $(if $(filter 0.26.%,$(VLLM)),2.11.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu,2.13.0)
 VLLM_TESTS = tests/test_engine.py tests/test_weight_sync.py tests/test_engine_faults.py tests/test_seeded_sampling.py \
   tests/test_stop_tokens.py tests/test_openai_agents.py tests/test_endpoint_guard.py tests/test_hybrid.py \
-  tests/test_rollout.py tests/test_lora.py tests/test_real_model.py
+  tests/test_rollout.py tests/test_lora.py tests/test_real_model.py tests/test_vllm_compat.py
 test-vllm: $(SMOLLM2_GGUF)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip

@@ -124,11 +124,19 @@ def test_a_multi_turn_verifiers_environment_trains(tmp_path):
                               "--rollout.unbiased_early_stop")
     assert [m["engine_weight_version"] for m in trained] == [1, 2]
     for m in trained:
-        assert m["rollout/agent_errors"] == 0 and m["rollout/extra/turns"] == 2.0 and m["grad_norm"] > 0
+        assert m["rollout/agent_errors"] == 0 and m["grad_norm"] > 0
         # The template appends turns: one sequence per episode, but for a reply in which the tiny model sampled one of
         # its special tokens (it writes "<|user|>" now and then): vLLM's text leaves it out, so the history the env
         # sends back is not what was sampled, and that episode is rightly split (one in 16 in a fresh-clone run).
         assert m["rollout/episodes_segmented"] <= 2
+    # Both turns in every episode, but where the model's first reply ran out of --rollout.max_new_tokens: with no
+    # answer to follow up, the env ends the episode there (the tiny model, sampling at temperature 1, now and then
+    # writes 32 tokens of noise).
+    episodes = {}
+    for sample in samples:  # a segmented episode has a row a segment
+        episodes.setdefault(sample["episode"], []).append(sample)
+    for rows in episodes.values():
+        assert sum(len(r["turns"]) for r in rows) == 2 or rows[-1]["finish_reason"] == "length", rows
     one_sequence = [sample for sample in samples if len(sample["turns"]) == 2]  # a segment's row shows its own turns
     assert len(one_sequence) >= len(samples) - 4
     for sample in one_sequence:

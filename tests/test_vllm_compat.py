@@ -1,0 +1,59 @@
+"""rollout/vllm_compat.py: each difference between the vLLM releases it bridges, against stand-ins shaped as those
+releases' sources have them (0.26: finish_weight_update() without a version and no get_weight_version; 0.27 on:
+both), and against the installed vLLM. make test-vllm VLLM=0.27.1 runs the engines themselves on another release."""
+
+import asyncio
+
+from openrlhf_async.rollout import vllm_compat
+
+
+class Release026:
+    def __init__(self):
+        self.calls = []
+
+    async def finish_weight_update(self) -> None:
+        self.calls.append(())
+
+
+class Release027On:
+    def __init__(self):
+        self.calls, self.version = [], "default"
+
+    async def finish_weight_update(self, weight_version=None) -> None:
+        self.calls.append((weight_version,))
+        if weight_version is not None:
+            self.version = weight_version
+
+    async def get_weight_version(self) -> str:
+        return self.version
+
+
+def test_the_weight_version_is_vllms_where_it_keeps_one_and_the_engine_actors_where_not():
+    old, new = Release026(), Release027On()
+    assert not vllm_compat.keeps_weight_version(old) and vllm_compat.keeps_weight_version(new)
+
+    async def sync_to(version: int) -> tuple:
+        before = await vllm_compat.weight_version(new, own=version - 1)
+        for engine in (old, new):
+            await vllm_compat.finish_weight_update(engine, version)
+        return before, await vllm_compat.weight_version(new, own=-1), await vllm_compat.weight_version(old, own=version)
+
+    assert asyncio.run(sync_to(3)) == (0, 3, 3)  # vLLM's "default" before the first sync is version 0
+    assert new.calls == [("3",)] and old.calls == [()]
+
+
+def test_the_installed_vllm_is_in_range_keeps_weight_versions_and_serves_its_openai_app():
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    vllm_compat.check_release()
+    assert vllm_compat.keeps_weight_version(AsyncLLM)
+    build_app, init_app_state, make_arg_parser = vllm_compat.openai_server()
+    assert {f.__name__ for f in (build_app, init_app_state, make_arg_parser)} == \
+        {"build_app", "init_app_state", "make_arg_parser"}
+
+
+def test_the_ipc_init_info_keeps_only_the_fields_the_release_declares():
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+    info = vllm_compat.ipc_init_info({"packed": False, "not_a_field": 1})
+    assert info == {"packed": False} and IPCWeightTransferInitInfo(**info).packed is False
