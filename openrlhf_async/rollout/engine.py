@@ -9,9 +9,9 @@ import os
 import uuid
 from typing import Optional
 
+from openrlhf_async.rollout import vllm_compat
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
-from openrlhf_async.rollout import vllm_compat
 from openrlhf_async.rollout.group_runner import GroupRunner
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
 from openrlhf_async.utils.ray_utils import get_all
