@@ -173,3 +173,24 @@ def user_file(tmp_path, name, body) -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return str(path)
+
+
+def dry_run_in_process(flags: list, cwd) -> "subprocess.CompletedProcess":
+    """`python -m openrlhf_async.cli.train_async FLAGS` with --dry_run among the flags, run in this process from
+    cwd: its exit status, stdout and stderr, as the command gives them. A dry run starts no Ray, no actor and no
+    process but the user files' imports (each in a process of its own), so only the 4 s of imports a new process
+    spends differ. The command itself runs in the launch-script tests (test_launch_scripts.py)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from openrlhf_async.cli.train_async import main
+
+    assert "--dry_run" in flags
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main([str(f) for f in flags])
+        except SystemExit as e:  # argparse's own refusals
+            status = e.code
+    return subprocess.CompletedProcess(["train_async", *flags], status, out.getvalue(), err.getvalue())

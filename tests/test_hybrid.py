@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import preset_config
+from conftest import dry_run_in_process, preset_config
 from openrlhf_async.config import ConfigError
 
 HYBRID = ("--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep", "--vllm.num_engines", "2",
@@ -430,13 +430,13 @@ FIXED = {  # the flags of a script this project refuses, in the order it says so
 def test_openrlhfs_hybrid_scripts_pass_the_dry_run_with_a_memory_plan_of_each_phase_that_fits_80_gb(inputs, script):
     flags = [*script_flags(script, inputs), "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"]
     for flag, instead, refusal in FIXED.get(script, []):
-        refused = _cli(flags, inputs, 120)
+        refused = dry_run_in_process(flags, inputs)
         line = refused.stderr.strip().splitlines()[-1]
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert refusal in line, line
         at = flags.index(flag)
         flags[at: at + 2] = [f.format(reward=inputs / "reward_func.py") for f in instead]
-    proc = _cli(flags, inputs, 120)
+    proc = dry_run_in_process(flags, inputs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run: configuration valid"), proc.stdout[-2000:]
     report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])

@@ -274,10 +274,10 @@ def _script_14b(inputs, model=None) -> list:
 
 
 def test_the_14b_grpo_lora_command_line_fits_80_gb_in_the_dry_run_where_full_fine_tuning_does_not(inputs):
-    from test_hybrid import _cli
+    from conftest import dry_run_in_process
 
     flags = [*_script_14b(inputs), "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"]
-    proc = _cli(flags, inputs, 120)
+    proc = dry_run_in_process(flags, inputs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run: configuration valid"), proc.stdout[-2000:]
     plan = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])["memory_plan"]
@@ -287,7 +287,7 @@ def test_the_14b_grpo_lora_command_line_fits_80_gb_in_the_dry_run_where_full_fin
     assert rank["total"] <= 80 * 2**30
     # The same line without the adapter: full states of 14.8B parameters on 4 ranks do not fit.
     at = flags.index("--ds.lora.rank")
-    full = _cli(flags[:at] + flags[at + 6:], inputs, 120)
+    full = dry_run_in_process(flags[:at] + flags[at + 6:], inputs)
     assert full.returncode == 2 and full.stderr.strip().splitlines()[-1].startswith(
         "error: memory plan: trainer rank needs "), full.stderr[-2000:]
 

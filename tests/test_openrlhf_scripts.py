@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import dry_run_in_process
+
 # An AgentExecutor as OpenRLHF 0.11's example writes one: a random environment of 1 to 3 turns whose last turn
 # rewards 0 or 1 at random, and extra_logs.
 AGENT = '''
@@ -96,10 +98,10 @@ def test_openrlhfs_async_agent_script_is_refused_for_ring_attention_and_passes_a
     memory later: refused at once, in one line. Without it the dry run passes, with a notice for each flag that has no
     effect."""
     cwd, flags = workspace
-    refused = _run(cwd, [*flags, "--dry_run"], 180)
+    refused = dry_run_in_process([*flags, "--dry_run"], cwd)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         "error: --ds.ring_attn_size 2: not supported here: ring attention is not built"), refused.stderr[-3000:]
-    proc = _run(cwd, [*flags, "--ds.ring_attn_size", "1", "--dry_run"], 180)
+    proc = dry_run_in_process([*flags, "--ds.ring_attn_size", "1", "--dry_run"], cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
     for flag in ("--ds.ring_attn_head_stride", "--ds.enable_sleep", "--ref.num_gpus_per_node",
@@ -150,7 +152,7 @@ def test_a_command_line_in_openrlhfs_older_spellings_reads_as_todays_flags_with_
            "--zero_stage", "3", "--param_dtype", "fp32", "--enforce_eager", "--save_path", str(tmp_path / "out"),
            "--ckpt_path", str(tmp_path / "ckpt"), "--eval_steps", "-1", "--async_train",
            "--use_tensorboard", str(tmp_path / "tb")]
-    proc = _run(tmp_path, [*old, "--dry_run"], 180)
+    proc = dry_run_in_process([*old, "--dry_run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
     spelled = [arg for arg in old if arg.startswith("--")]

