@@ -69,3 +69,16 @@ def test_the_dry_run_prints_each_refusal_on_an_error_line(tmp_path):
     assert lines[0] == f"error: {STOP}"
     assert lines[1].startswith("error: --actor.num_nodes 16 x --actor.num_gpus_per_node 64: 1024 trainer ranks")
     assert lines[2].startswith("error: --critic.num_nodes 16 x --critic.num_gpus_per_node 64: 1024 critic ranks")
+
+
+def test_gloo_weight_sync_on_cuda_is_refused_unless_the_engines_take_the_weights_by_ipc(capsys):
+    """vLLM's gloo group (distributed/utils.py init_gloo_process_group) is registered for host tensors: a broadcast
+    of the engines' GPU buffers over it fails at the first sync. The hybrid engine on cuda takes the weights by CUDA
+    IPC, where the flag changes nothing."""
+    cuda = ("--device", "cuda", "--plan.device_memory_gb", "80", "--vllm.sync_backend", "gloo")
+    assert refusals(*cuda) == ["--vllm.sync_backend gloo with --device cuda: the weight-sync group's gloo carries host "
+                               "tensors only, and the engines take the weights on their GPUs; use "
+                               "--vllm.sync_backend nccl (the default)"]
+    hybrid = validate(preset_config("tiny_cpu", *cuda, "--train.colocate_all", "--vllm.num_engines", "2"))
+    assert hybrid.hybrid and "--vllm.sync_backend gloo has no effect with --train.colocate_all" in capsys.readouterr().err
+    assert validate(preset_config("tiny_cpu", "--vllm.sync_backend", "gloo")).backend == "gloo"  # cpu: gloo is it

@@ -194,7 +194,13 @@ def test_on_cuda_each_tensor_parallel_worker_gets_the_handles_of_the_rank_on_its
     updates = [args[0] for who, method, *args in log if method == "update_weights"]
     assert [u["names"] for u in updates] == [["a"], ["b"], ["c"]]
     assert updates[0]["ipc_handles"] == [{f"gpu{r}": ("handle", "a") for r in range(4)}]
-    assert ("ranks", "release_shared") in log and sync.version == 1
+    assert sync.version == 1
+    # The ranks drop the copies the engines read, and give their memory back, before the engines wake the KV cache.
+    steps = [(who, method) for who, method, *_ in log]
+    finish, release, wake = (steps.index(("engines", "finish_weight_update")), steps.index(("ranks", "release_shared")),
+                             len(steps) - 1)
+    assert finish < release < wake and log[wake] == ("engines", "wake_up", ["kv_cache"]), steps
+    assert sync.calls[-3:] == ["finish 1", "release", "wake kv_cache"]
 
 
 def test_a_step_without_a_sync_wakes_the_engines_whole_on_their_old_weights():
@@ -509,3 +515,21 @@ def test_openrlhfs_hybrid_scripts_scaled_down_train_two_steps_with_engines_sleep
         offload = [s for s in rank0 if s["kind"] == "offload"][-1]
         wake = next(s for s in engine if s["kind"] == "wake" and s["start"] >= sleep["end"])
         assert sleep["end"] <= reload["start"] and offload["end"] <= wake["start"], "both full states at once"
+
+
+def test_a_rank_gives_the_shared_copies_memory_back_to_the_device_once_the_engines_read_them(monkeypatch):
+    """On cuda the copies the engines read by IPC stay reserved to the rank's caching allocator once dropped, out of
+    reach of vLLM (another process), which wakes its KV cache next: the rank empties its cache after dropping them.
+    (A stand-in for torch.cuda: no GPU here.)"""
+    import torch
+
+    from openrlhf_async.trainer.weight_export import WeightExport
+
+    done = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: done.append(("ipc_collect", export.held)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: done.append(("empty_cache", export.held)))
+    export = object.__new__(WeightExport)
+    export.held = [torch.zeros(4)]
+    export.release_shared()
+    assert done == [("ipc_collect", None), ("empty_cache", None)]

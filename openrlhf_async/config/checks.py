@@ -206,6 +206,13 @@ def _validate_layout(cfg: Config) -> None:
     """The hybrid engine's layout (OpenRLHF's colocate_all_models in sync mode): an engine's workers on each trainer
     device, and the sleep flags only where an engine shares the trainer's devices."""
     v, ds, world = cfg.vllm, cfg.ds, cfg.actor.world_size
+    if cfg.device == "cuda" and v.sync_backend == "gloo":
+        if not cfg.hybrid:  # vLLM's gloo group is registered for host tensors only (distributed/utils.py)
+            raise ConfigError("--vllm.sync_backend gloo with --device cuda: the weight-sync group's gloo carries host "
+                              "tensors only, and the engines take the weights on their GPUs; use --vllm.sync_backend "
+                              "nccl (the default)")
+        notice("--vllm.sync_backend gloo has no effect with --train.colocate_all on cuda: each engine takes the weights "
+               "from the trainer rank on its GPU by CUDA IPC")
     if cfg.mode != "sync":
         if v.enable_sleep:
             raise ConfigError(f"--vllm.enable_sleep with --mode {cfg.mode}: the asynchronous modes keep the engines on "

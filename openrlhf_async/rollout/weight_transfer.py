@@ -87,15 +87,24 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
                                init_info.backend, init_info.timeout_s, self.device)
         self.bucket_bytes = init_info.bucket_bytes
 
+    def _in_config(self):
+        """vLLM's current config set to this engine's, as vLLM's worker sets it around these calls from 0.27 on
+        (v1/worker/gpu_worker.py: 0.26 sets none, and its get_current_vllm_config raises where none is set)."""
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self.vllm_config)
+
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        with self._in_config():
+            initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU ("Cannot access accelerator
         # device when none is available"); receive_weights synchronises this worker's device itself.
-        self.receive_weights(self.parse_update_info(update_info))
+        with self._in_config():
+            self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         """Receive the buckets in order, each loaded as it arrives; returns once this worker's device holds them all
@@ -136,8 +145,9 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        _retie_word_embeddings(self.model)
+        with self._in_config():
+            finalize_layerwise_reload(self.model, self.model_config)
+            _retie_word_embeddings(self.model)
         synchronize(self.device)
 
     def shutdown(self) -> None:

@@ -163,8 +163,9 @@ class HybridWeightSync(WeightSync):
             self.calls.append(f"finish {version}")
             members = self._keep(members, outcomes, ("died", "hung"))
             complete = not any(kind == "error" for kind, _ in outcomes)
-        if self.cuda:
+        if self.cuda:  # before the engines wake their KV cache (_after): the copies' memory is theirs again
             self._ranks("release_shared")
+            self.calls.append("release")
         if not complete:
             self.broadcasts_failed += 1
             print("weight sync: the hybrid transfer did not complete; made again to the engines left", flush=True)

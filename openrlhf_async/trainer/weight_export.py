@@ -196,6 +196,10 @@ class WeightExport:
         return handles
 
     def release_shared(self) -> None:
+        """Drop the copies the engine read (it finished its update) and give their blocks back to the device: kept
+        in this process's caching allocator they would stay out of reach of the engine (another process), which
+        wakes its KV cache next."""
         self.held = None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
