@@ -533,3 +533,20 @@ def test_a_rank_gives_the_shared_copies_memory_back_to_the_device_once_the_engin
     export.held = [torch.zeros(4)]
     export.release_shared()
     assert done == [("ipc_collect", None), ("empty_cache", None)]
+
+
+def test_the_memory_plan_counts_the_whole_models_ipc_copies_in_the_transfer():
+    """On cuda the ranks keep every bucket they export by IPC until the engines finish reading (weight_export.py):
+    a whole model's copy on each GPU (16 GB for an 8B model in bf16) where one bucket was counted."""
+    from openrlhf_async.trainer import memory_plan
+
+    cfg = preset_config(*HYBRID, "--plan.device_memory_gb", "80", "--ds.param_dtype", "bf16",
+                        "--actor.gradient_checkpointing_enable", "--train.micro_batch_size", "1")
+    cfg.device, cfg.actor.model_name_or_path = "cuda", os.path.join(MODEL_CONFIGS, "DeepSeek-R1-Distill-Qwen-1.5B")
+    plan = memory_plan.for_config(cfg)
+    phases, engine = plan["hybrid"], plan["vllm_engine"]
+    whole = 2 * plan["params"]  # bf16
+    assert engine["weights"] == whole  # tensor parallel 1: the engine's weights are the model
+    # The sleeping engine's weights, the copies, and what the rank keeps in every phase (generation: beside the
+    # engine's whole share).
+    assert phases["transfer"] - engine["weights"] - whole == phases["generate"] - engine["total"]

@@ -89,7 +89,6 @@ class Setup:
     hybrid: bool = False  # an engine shares each rank's device (--train.colocate_all in sync mode)
     engine_sleep: bool = False  # --vllm.enable_sleep: the engine's weights and KV cache leave the device to train
     trainer_sleep: bool = False  # --ds.enable_sleep: the rank's gradients and optimizer leave it to generate
-    bucket_bytes: int = 0  # --train.weight_sync_bucket_mb
     lora_rank: int = 0  # --ds.lora.rank: the adapter alone has gradients and optimizer states; no second model
     lora_targets: object = "all-linear"
     # Models colocated on each rank's device (--train.colocate_all): the critic rank's states and the reward models'
@@ -117,7 +116,7 @@ def setup_of(cfg) -> Setup:
                  gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                  cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device, hybrid=cfg.hybrid,
                  engine_sleep=cfg.vllm.enable_sleep, trainer_sleep=cfg.ds.enable_sleep,
-                 bucket_bytes=cfg.train.weight_sync_bucket_mb * 2**20, lora_rank=cfg.ds.lora_rank,
+                 lora_rank=cfg.ds.lora_rank,
                  lora_targets=cfg.ds.lora_target_modules)
 
 
@@ -198,14 +197,17 @@ def hybrid_bytes(rank: dict, engine: dict, s: Setup) -> dict:
     """One device of the hybrid engine, by phase of the step. The rank keeps its weights and the frozen reference
     model throughout; its gradients, optimizer and buffers too unless --ds.enable_sleep offloads them (DeepSpeed's
     offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
-    keeps nothing that counts; an engine that does not sleep keeps its whole share."""
+    keeps nothing that counts; an engine that does not sleep keeps its whole share. During the transfer each rank
+    holds every bucket's copy it exported by CUDA IPC until the engines finish reading them
+    (trainer/weight_export.py share_bucket): the whole model on each GPU."""
     offloaded = s.trainer_sleep and not s.adam_offload
     kept = rank["weights"] + rank["reference"] + s.colocated_kept + (
         0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
     awake = engine["total"] or 0
     phases = {"generate": awake + kept,
               "train": rank["total"] + (0 if s.engine_sleep else awake),
-              "transfer": (engine["weights"] if s.engine_sleep else awake) + kept + s.bucket_bytes}
+              "transfer": (engine["weights"] if s.engine_sleep else awake) + kept
+              + engine["weights"] * s.tensor_parallel}  # the IPC copies: the whole model
     return {**phases, "peak": max(phases.values())}
 
 
@@ -280,7 +282,8 @@ def refusal(p: dict, m: ModelShape, s: Setup, dynamic: bool, longest: int):
     if shared and shared["peak"] > device:
         phase = max(("generate", "train", "transfer"), key=shared.get)
         fixes = {"generate": "--ds.enable_sleep, or a lower --vllm.gpu_memory_utilization",
-                 "train": "--vllm.enable_sleep", "transfer": "a lower --train.weight_sync_bucket_mb"}[phase]
+                 "train": "--vllm.enable_sleep",
+                 "transfer": "a larger device (each GPU holds the whole model's copy while its engine reads it)"}[phase]
         if phase == "train" and s.engine_sleep:
             fixes = "a lower --vllm.gpu_memory_utilization"
         return (f"memory plan: the hybrid engine's {phase} phase needs {shared['peak'] / GB:.1f} GB of "
