@@ -80,5 +80,6 @@ def test_gloo_weight_sync_on_cuda_is_refused_unless_the_engines_take_the_weights
                                "tensors only, and the engines take the weights on their GPUs; use "
                                "--vllm.sync_backend nccl (the default)"]
     hybrid = validate(preset_config("tiny_cpu", *cuda, "--train.colocate_all", "--vllm.num_engines", "2"))
-    assert hybrid.hybrid and "--vllm.sync_backend gloo has no effect with --train.colocate_all" in capsys.readouterr().err
+    notices = capsys.readouterr().err
+    assert hybrid.hybrid and "--vllm.sync_backend gloo has no effect with --train.colocate_all" in notices
     assert validate(preset_config("tiny_cpu", "--vllm.sync_backend", "gloo")).backend == "gloo"  # cpu: gloo is it

@@ -68,7 +68,8 @@ def test_a_conversion_parses_the_file_once_however_often_transformers_asks(tmp_p
 
     monkeypatch.setattr(gguf, "GGUFReader", Counted)
     with _parsed_once():
-        assert special_token_ids(path) == {"eos": 7} == special_token_ids(os.path.join(str(tmp_path), ".", "small.gguf"))
+        same_file = os.path.join(str(tmp_path), ".", "small.gguf")  # another spelling of the path
+        assert special_token_ids(path) == {"eos": 7} == special_token_ids(same_file)
         assert gguf.GGUFReader(path) is gguf.GGUFReader(path)
     assert len(parsed) == 1
     assert gguf.GGUFReader is Counted and special_token_ids(path) == {"eos": 7} and len(parsed) == 2

@@ -211,8 +211,8 @@ def _validate_layout(cfg: Config) -> None:
             raise ConfigError("--vllm.sync_backend gloo with --device cuda: the weight-sync group's gloo carries host "
                               "tensors only, and the engines take the weights on their GPUs; use --vllm.sync_backend "
                               "nccl (the default)")
-        notice("--vllm.sync_backend gloo has no effect with --train.colocate_all on cuda: each engine takes the weights "
-               "from the trainer rank on its GPU by CUDA IPC")
+        notice("--vllm.sync_backend gloo has no effect with --train.colocate_all on cuda: each engine takes the "
+               "weights from the trainer rank on its GPU by CUDA IPC")
     if cfg.mode != "sync":
         if v.enable_sleep:
             raise ConfigError(f"--vllm.enable_sleep with --mode {cfg.mode}: the asynchronous modes keep the engines on "

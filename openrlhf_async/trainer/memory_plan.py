@@ -193,7 +193,7 @@ def engine_bytes(m: ModelShape, s: Setup, device_bytes) -> dict:
             "kv_cache": int(share - weights) if share else None}
 
 
-def hybrid_bytes(rank: dict, engine: dict, s: Setup) -> dict:
+def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
     """One device of the hybrid engine, by phase of the step. The rank keeps its weights and the frozen reference
     model throughout; its gradients, optimizer and buffers too unless --ds.enable_sleep offloads them (DeepSpeed's
     offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
@@ -206,8 +206,7 @@ def hybrid_bytes(rank: dict, engine: dict, s: Setup) -> dict:
     awake = engine["total"] or 0
     phases = {"generate": awake + kept,
               "train": rank["total"] + (0 if s.engine_sleep else awake),
-              "transfer": (engine["weights"] if s.engine_sleep else awake) + kept
-              + engine["weights"] * s.tensor_parallel}  # the IPC copies: the whole model
+              "transfer": (engine["weights"] if s.engine_sleep else awake) + kept + s.dtype_bytes * m.params}
     return {**phases, "peak": max(phases.values())}
 
 
@@ -218,7 +217,7 @@ def plan(m: ModelShape, s: Setup, device_bytes, checked: bool) -> dict:
     p = {"params": m.params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
          "vllm_engine": engine, "setup": dataclasses.asdict(s)}
     if s.hybrid and s.device == "cuda":
-        p["hybrid"] = hybrid_bytes(rank, engine, s)
+        p["hybrid"] = hybrid_bytes(m, rank, engine, s)
     return p
 
 
