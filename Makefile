@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 
 CACHE ?= $(or $(OPENRLHF_ASYNC_CACHE),$(HOME)/.cache/openrlhf_async)
 
-.PHONY: install bwrap demo test test-long test-vllm clean smollm2 smollm2-rl gpu-check gpu-wheels
+.PHONY: install bwrap demo test test-long test-vllm clean smollm2 smollm2-rl gpu-check gpu-wheels gpu-e2e gpu-e2e-kit \
+  gpu-e2e-stage
 
 install: $(STAMP) bwrap
 
@@ -119,6 +120,29 @@ gpu-check:
 
 gpu-wheels: install
 	$(PY) benchmarks/gpu_check.py --download_wheels $(WHEELS) $(if $(GPU_PYTHON),--python_version $(GPU_PYTHON))
+
+# Then `make gpu-e2e`: the hybrid engine for real on one device, without Ray (benchmarks/gpu_e2e.py): a ZeRO-3 trainer
+# rank and a vLLM engine share the GPU, a randomly initialised Qwen2.5-0.5B shape (GPU_E2E_ARGS="--shape 1.5b" for
+# the other), and each step generates, sleeps, reloads, trains, offloads, wakes the weights, sends them by CUDA IPC,
+# wakes the KV cache and checks vLLM's greedy tokens and log-probs against the trainer's; per phase its seconds and
+# the device's memory beside the memory plan's; one JSON line (exit 1 where a check fails). On CPU the same harness
+# runs on vLLM's CPU build (tests/test_gpu_e2e.py). A GPU machine without vLLM and DeepSpeed takes them from the
+# kit: `make gpu-e2e-kit` fills $(KIT) here (vLLM 0.26.0, the release for its torch 2.11, what it imports for one
+# engine, DeepSpeed; about 330 MiB in pieces of 56 MiB, git-ignored), then on the GPU machine, back to back (what it
+# stages stays only while it is warm), `make gpu-e2e-stage` with each piece but the last carried (with
+# $(KIT)/manifest.json), and `make gpu-e2e` with the last: docs/BENCHMARKS.md (make gpu-e2e) has the calls.
+KIT ?= wheels/e2e
+KIT_DEST ?= /tmp/openrlhf_async-kit
+GPU_E2E_ARGS ?=
+
+gpu-e2e:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_e2e.py --kit $(KIT) --kit_dest $(KIT_DEST) $(GPU_E2E_ARGS)
+
+gpu-e2e-stage:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_kit.py stage $(KIT) $(KIT_DEST) || [ $$? = 3 ]
+
+gpu-e2e-kit: install
+	$(PY) benchmarks/gpu_kit.py prepare $(KIT) --python_version $(or $(GPU_PYTHON),3.12)
 
 clean:
 	rm -rf runs .pytest_cache

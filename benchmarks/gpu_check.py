@@ -45,25 +45,31 @@ NOT_DOWNLOADED = {"torch", "triton", "filelock", "typing-extensions", "sympy", "
                   "markupsafe", "fsspec", "setuptools"}
 
 
-def missing_packages() -> list:
-    return [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+def missing_packages(required=None) -> list:
+    return [name for name in required or REQUIRED if importlib.util.find_spec(name) is None]
 
 
-def ensure_packages(wheels: str) -> bool:
-    """deepspeed, transformers and accelerate importable, installed from the wheels folder (no index) where missing."""
-    missing = missing_packages()
+def ensure_packages(wheels: str, required=None, tool: str = "gpu-check", fill: str = "make gpu-wheels",
+                    resolve: bool = True) -> bool:
+    """The required packages (default: deepspeed, transformers and accelerate) importable, installed where missing
+    from the wheels folder (no index): the missing ones with what they need, or without resolve (a kit of
+    gpu_kit.py, whose wheels are chosen one by one) every wheel there as it is."""
+    missing = missing_packages(required)
     if not missing:
         return True
     if not (wheels and os.path.isdir(wheels) and os.listdir(wheels)):
-        print(f"gpu-check: {' and '.join(missing)} missing and no wheels in {wheels or '--wheels'}: run `make "
-              f"gpu-wheels` where there is a network and bring {wheels or 'the folder'} along (or pip install them)",
-              flush=True)
+        print(f"{tool}: {' and '.join(missing)} missing and no wheels in {wheels or '--wheels'}: run `{fill}` where "
+              f"there is a network and bring {wheels or 'the folder'} along (or pip install them)", flush=True)
         return False
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels, *missing]
+    if resolve:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels, *missing]
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+               *sorted(os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl"))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or missing_packages():
+    if proc.returncode != 0 or missing_packages(required):
         last = (proc.stderr.strip().splitlines() or ["no error message"])[-1]
-        print(f"gpu-check: could not install {' and '.join(missing)} from {wheels} ({last})", flush=True)
+        print(f"{tool}: could not install {' and '.join(missing)} from {wheels} ({last})", flush=True)
         return False
     return True
 

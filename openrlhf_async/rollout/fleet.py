@@ -70,6 +70,12 @@ class EngineFleet:
         self._tick()
         return {i: s.handle for i, s in self.slots.items() if s.state == "joining"}
 
+    def starting(self) -> list:
+        """The ready() calls of the engines loading to replace or add to the initial ones (the hybrid engine awaits
+        them before its ranks take the devices back: trainer/hybrid.py)."""
+        self._tick()
+        return [s.ready for s in self.slots.values() if s.state == "starting" and s.reason != "initial"]
+
     def coming(self) -> int:
         """Engines started or waiting for weights: work may wait for them rather than fail when none is active."""
         self._tick()

@@ -21,6 +21,8 @@ from openrlhf_async.rollout.engine import submit
 from openrlhf_async.trainer.weight_sync import WeightSync, _outcomes
 from openrlhf_async.utils.ray_utils import get_all
 
+START_WAIT_S = 1800.0  # a replacement engine's start (loading, profiling, CUDA graphs) awaited before a step trains
+
 
 class HybridWeightSync(WeightSync):
     """WeightSync's surface (sync, catch_up, version, members, counters) for the hybrid engine, with to_train before
@@ -32,7 +34,7 @@ class HybridWeightSync(WeightSync):
         self.critic = critic
         self.cuda = cfg.device == "cuda"
         self.engine_sleep, self.trainer_sleep = cfg.vllm.enable_sleep, cfg.ds.enable_sleep
-        self.asleep = False  # the engines sleep (to_train) and have not woken yet
+        self.sleeping = set()  # ids of the engines put to sleep (to_train) that have not woken yet
         self.calls = []
         self.handover_s = 0.0  # seconds spent sleeping, waking, offloading and reloading since the last step's record
         self.bundles = {}  # engine id -> its first bundle, the rank it shares devices with
@@ -42,23 +44,32 @@ class HybridWeightSync(WeightSync):
 
     def to_train(self) -> None:
         """The engines sleep (their running requests were aborted by the controller) and the training states come
-        back."""
-        if self.engine_sleep and not self.asleep:
-            self.members = self._keep(self.members, self._call(self.members, "sleep", 1))
-            self.asleep = True
+        back. An engine starting in its bundles (a replacement) finishes first: vLLM sizes its KV cache from the free
+        memory as it starts, which the reloaded states would take; it sleeps with the others, waiting for its
+        weights."""
+        self._await_starting()
+        if self.engine_sleep and not self.sleeping:
+            sleepers = {**self.members, **self._joining()}
+            kept = self._keep(sleepers, self._call(sleepers, "sleep", 1))
+            self.members = {i: e for i, e in self.members.items() if i in kept}
+            self.sleeping = set(kept)
             self.calls.append("sleep")
         if self.trainer_sleep:
             self._ranks("reload_states")
             self.calls.append("reload")
 
     def to_generate(self) -> None:
-        """After a step that does not sync: the states leave and the engines wake whole, on their old weights."""
+        """After a step that does not sync: the states leave and the engines wake whole, on their old weights (a
+        joining one too, which the next sync or catch-up gives the weights)."""
         if self.trainer_sleep:
             self._ranks("offload_states")
             self.calls.append("offload")
-        if self.asleep:
-            self.members = self._keep(self.members, self._call(self.members, "wake_up", None))
-            self.asleep = False
+        if self.sleeping:
+            sleepers = {**self.members, **self._joining()}
+            sleepers = {i: e for i, e in sleepers.items() if i in self.sleeping}
+            kept = self._keep(sleepers, self._call(sleepers, "wake_up", None))
+            self.members = {i: e for i, e in self.members.items() if i in kept or i not in sleepers}
+            self.sleeping = set()
             self.calls.append("wake")
 
     # ---- inside --------------------------------------------------------------------------------------------
@@ -89,22 +100,45 @@ class HybridWeightSync(WeightSync):
     def _before(self, members: dict, pause_mode: str) -> dict:
         """Offload the trainer's states and wake the engines' weights for the transfer (WeightSync._broadcast then
         sends every bucket and finishes with the version; a transfer that did not complete is made again to the
-        engines left, which stay asleep, on no version of it, until one does)."""
+        engines left, which stay asleep, on no version of it, until one does). An engine that started meanwhile
+        (it replaced one lost in the step) is awake already."""
         if self.trainer_sleep:
             self._ranks("offload_states")
             self.calls.append("offload")
-        if self.asleep:
-            members = self._keep(members, self._call(members, "wake_up", ["weights"]))
+        asleep = {i: e for i, e in members.items() if i in self.sleeping}
+        if asleep:
+            kept = self._keep(asleep, self._call(asleep, "wake_up", ["weights"]))
+            members = {i: e for i, e in members.items() if i in kept or i not in asleep}
             self.calls.append("wake weights")
         return members
 
     def _after(self, members: dict) -> dict:
         """Every bucket arrived: the engines wake their KV cache."""
-        if self.asleep:
-            members = self._keep(members, self._call(members, "wake_up", ["kv_cache"]))
-            self.asleep = False
+        asleep = {i: e for i, e in members.items() if i in self.sleeping}
+        if asleep:
+            kept = self._keep(asleep, self._call(asleep, "wake_up", ["kv_cache"]))
+            members = {i: e for i, e in members.items() if i in kept or i not in asleep}
             self.calls.append("wake kv_cache")
+        self.sleeping = set()  # every sleeper was among the members, or was dropped
         return members
+
+    def _await_starting(self) -> None:
+        """Wait (up to START_WAIT_S) for the engines starting in the fleet's bundles: replacements of engines lost
+        in the last step."""
+        import ray
+
+        if self.fleet is None:
+            return
+        starting = ray.get(self.fleet.starting.remote())
+        if starting:
+            self.calls.append("await starting")
+            ray.wait(starting, num_returns=len(starting), timeout=START_WAIT_S)
+
+    def _joining(self) -> dict:
+        """The fleet's started engines still waiting for the trainer's weights."""
+        import ray
+
+        return {} if self.fleet is None else ray.get(self.fleet.joining.remote())
 
     def _connect(self, members: dict) -> dict:
         """Set up each engine's transfer: on cpu a new shared-memory file on the rank in its first bundle, mapped by
