@@ -137,7 +137,7 @@ def _recording_sync(fail_update_at=None, cuda=False, tp=1):
             log.append(("ranks", method))
 
         def _connect(self, members):
-            self.bundles, self.grouped = {i: i * tp for i in members}, set(members)
+            self.bundles, self.grouped = {i: tuple(range(i * tp, (i + 1) * tp)) for i in members}, set(members)
             return members
 
         def _ranks_each(self, method, bucket, owners):
@@ -240,6 +240,25 @@ def test_a_replacement_engine_finishes_starting_before_the_ranks_take_the_device
     assert sync.sleeping == {0, 1, 2}
     sync.sync()
     assert sync.sleeping == set() and sync.version == 1
+
+
+def test_tensor_parallel_engines_take_bundles_of_one_node_whatever_order_ray_placed_them_in():
+    """Ray numbers a placement group's bundles in the order asked, not by node: engine k in bundles k x TP on could
+    span two nodes. Each engine's bundles are one node's, and its vLLM workers are told them."""
+    from openrlhf_async.errors import ConfigError
+    from openrlhf_async.rollout.engine import engine_env, hybrid_engine_bundles
+
+    nodes = {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "a", 6: "b", 7: "b"}
+    placed = hybrid_engine_bundles(nodes, 2, 4)
+    assert placed == [(0, 2), (4, 5), (1, 3), (6, 7)]
+    assert all(len({nodes[b] for b in bundles}) == 1 for bundles in placed)
+    assert hybrid_engine_bundles({i: "a" for i in range(4)}, 1, 4) == [(0,), (1,), (2,), (3,)]
+    with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: Ray placed the trainer's bundles 3, 1 a node"):
+        hybrid_engine_bundles({0: "a", 1: "a", 2: "a", 3: "b"}, 2, 2)
+    cfg = preset_config(*HYBRID, "--device", "cuda", "--vllm.tensor_parallel_size", "2", "--plan.device_memory_gb",
+                        "80", validated=False)
+    assert engine_env(cfg, placed[2])["VLLM_RAY_BUNDLE_INDICES"] == "1,3"
+    assert engine_env(cfg)["VLLM_RAY_BUNDLE_INDICES"] == "0,1"  # an engine in a group of its own
 
 
 def test_a_hybrid_replacement_waits_for_the_training_states_to_leave_its_gpu():
@@ -496,8 +515,11 @@ def test_openrlhfs_hybrid_scripts_pass_the_dry_run_with_a_memory_plan_of_each_ph
     if script in ("prorl_v2", "dapo"):  # the published parameter counts
         assert plan["params"] == {"prorl_v2": 1_777_088_000, "dapo": 8_030_261_248}[script]
     phases = plan["hybrid"]
-    # Training holds the trainer's full states and nothing of the sleeping engine; generation the engine's share.
-    assert phases["train"] == plan["trainer_rank"]["total"]
+    # Training holds the trainer's full states and, of the sleeping engine (eager: no CUDA graphs), its context
+    # alone; generation the engine's share.
+    from openrlhf_async.trainer.memory_plan import PROCESS_RESIDUAL
+
+    assert phases["train"] == plan["trainer_rank"]["total"] + 2 * PROCESS_RESIDUAL
     assert phases["generate"] >= plan["vllm_engine"]["total"] > phases["transfer"] - phases["generate"]
     assert phases["peak"] == max(phases["generate"], phases["train"], phases["transfer"]) <= device
     assert "hybrid engine (engine + rank on one device)" in proc.stderr
@@ -593,3 +615,22 @@ def test_the_memory_plan_counts_the_whole_models_ipc_copies_in_the_transfer():
     # The sleeping engine's weights, the copies, and what the rank keeps in every phase (generation: beside the
     # engine's whole share).
     assert phases["transfer"] - engine["weights"] - whole == phases["generate"] - engine["total"]
+
+
+def test_the_memory_plan_counts_what_a_sleeping_engine_and_both_processes_keep_on_the_device():
+    """Sleep (level 1) releases the engine's weights and KV cache, not its CUDA context or its CUDA-graph pool, and
+    the trainer rank's process has a context of its own: each phase counts them (a sleeping engine was 0 bytes)."""
+    from openrlhf_async.trainer import memory_plan
+    from openrlhf_async.trainer.memory_plan import CUDA_GRAPH_POOL, PROCESS_RESIDUAL
+
+    def plan(*flags):
+        cfg = preset_config(*HYBRID, "--plan.device_memory_gb", "80", "--ds.param_dtype", "bf16",
+                            "--actor.gradient_checkpointing_enable", *flags)
+        cfg.device, cfg.actor.model_name_or_path = "cuda", os.path.join(MODEL_CONFIGS, "DeepSeek-R1-Distill-Qwen-1.5B")
+        return memory_plan.for_config(cfg)
+
+    graphs, eager = plan("--no-vllm.enforce_eager"), plan("--vllm.enforce_eager")
+    for p, asleep in ((graphs, CUDA_GRAPH_POOL + PROCESS_RESIDUAL), (eager, PROCESS_RESIDUAL)):
+        assert p["hybrid"]["train"] == p["trainer_rank"]["total"] + PROCESS_RESIDUAL + asleep
+    assert graphs["vllm_engine"]["kv_cache"] == eager["vllm_engine"]["kv_cache"] - CUDA_GRAPH_POOL
+    assert 1 * 2**30 <= graphs["hybrid"]["train"] - graphs["trainer_rank"]["total"] <= 4 * 2**30  # the issue's range

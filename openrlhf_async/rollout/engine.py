@@ -396,7 +396,7 @@ def executor_backend(vllm) -> Optional[str]:
     return "uni" if vllm.worker_in_engine_core else None
 
 
-def engine_env(cfg, bundle: int = 0) -> dict:
+def engine_env(cfg, bundles: tuple = None) -> dict:
     """Environment of an engine actor (the network variables come with the job's: utils/cluster.connect): GPUs seen
     with tensor parallel, a small KV cache and quiet logs on CPU."""
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false",
@@ -407,7 +407,7 @@ def engine_env(cfg, bundle: int = 0) -> dict:
         # engine and its engine-core process must see the node's GPUs; its Ray workers take theirs from the bundles.
         env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "0"
     if cfg.vllm.tensor_parallel_size > 1:
-        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(bundle + i) for i in range(cfg.vllm.tensor_parallel_size))
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundles or range(cfg.vllm.tensor_parallel_size)))
         if cfg.hybrid and cfg.device == "cuda":
             env["VLLM_RAY_PER_WORKER_GPUS"] = str(HYBRID_GPU_SHARE)
     if cfg.hybrid and cfg.device == "cuda":  # IPC handles travel in msgpack as raw tuples with torch types
@@ -488,6 +488,25 @@ def engine_bundles(cfg) -> list:
     return [{"CPU": cfg.vllm.cpus_per_engine or 0.001}]
 
 
+def hybrid_engine_bundles(bundle_nodes: dict, tensor_parallel: int, count: int) -> list:
+    """The hybrid engine's engines' bundles in the trainer's placement group ({bundle: node id}, as Ray placed it):
+    the bundles grouped by node, then tensor_parallel at a time, so that no engine's workers span two nodes (the
+    group's own order need not keep a node's bundles together). A list per engine; ConfigError where a node's
+    bundles do not divide by tensor_parallel."""
+    from openrlhf_async.errors import ConfigError
+
+    by_node = {}
+    for bundle in sorted(bundle_nodes):
+        by_node.setdefault(bundle_nodes[bundle], []).append(bundle)
+    if any(len(b) % tensor_parallel for b in by_node.values()):
+        counts = ", ".join(str(len(b)) for b in by_node.values())
+        raise ConfigError(f"--vllm.tensor_parallel_size {tensor_parallel}: Ray placed the trainer's bundles {counts} a "
+                          f"node, which do not divide by {tensor_parallel}: an engine's workers would span two nodes; "
+                          "give the trainer nodes whose GPU counts divide by it")
+    ordered = [b for bundles in by_node.values() for b in bundles]
+    return [tuple(ordered[k * tensor_parallel:(k + 1) * tensor_parallel]) for k in range(count)]
+
+
 def engine_placement_group(cfg):
     """One engine's placement group; its workers on one node (tensor parallel across nodes is never wanted)."""
     from ray.util.placement_group import placement_group
@@ -495,28 +514,28 @@ def engine_placement_group(cfg):
     return placement_group(engine_bundles(cfg), strategy="STRICT_PACK")
 
 
-def engine_actor_options(cfg, group, bundle: int = 0) -> dict:
-    """Ray options of an engine actor in its placement group (engine_placement_group, or in the hybrid engine
-    the trainer's, from bundle `bundle` on): the actor in that bundle, and with tensor parallel vLLM's Ray workers in
-    the following ones (VLLM_RAY_BUNDLE_INDICES, placement captured by child tasks), so they never span nodes; its
-    environment (engine_env) in its runtime_env."""
+def engine_actor_options(cfg, group, bundles: tuple = None) -> dict:
+    """Ray options of an engine actor in its placement group (engine_placement_group, its bundles 0 .. tensor
+    parallel - 1; or in the hybrid engine the trainer's, `bundles` of one node: hybrid_engine_bundles): the actor in
+    the first, and with tensor parallel vLLM's Ray workers in each (VLLM_RAY_BUNDLE_INDICES, placement captured by
+    child tasks), so they never span nodes; its environment (engine_env) in its runtime_env."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle,
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundles[0] if bundles else 0,
                                                 placement_group_capture_child_tasks=True)
     # On CPU an engine takes --vllm.cpus_per_engine (0 by default: vLLM runs its own processes and a 2-core box must
     # fit them all).
     return {"num_gpus": engine_gpus(cfg), "num_cpus": cfg.vllm.cpus_per_engine if cfg.device == "cpu" else 0,
-            "scheduling_strategy": strategy, "runtime_env": {"env_vars": engine_env(cfg, bundle)}}
+            "scheduling_strategy": strategy, "runtime_env": {"env_vars": engine_env(cfg, bundles)}}
 
 
-def start_engine(cfg, model_path: str, engine_id: int, group, bundle: int = 0):
+def start_engine(cfg, model_path: str, engine_id: int, group, bundles: tuple = None):
     """One engine actor in its placement group (engine_actor_options)."""
     import ray
 
     # Named, so an operator (or a fault injector) can find it: `ray list actors`, ray.util.list_named_actors().
     name = f"openrlhf_async-engine-{engine_id}-{uuid.uuid4().hex[:8]}"
-    return ray.remote(LLMRayActorAsync).options(**engine_actor_options(cfg, group, bundle), name=name).remote(
+    return ray.remote(LLMRayActorAsync).options(**engine_actor_options(cfg, group, bundles), name=name).remote(
         model_path, engine_id, cfg.vllm, cfg.agent, cfg.reward, max_model_len=cfg.data.max_len, dtype=cfg.dtype,
         seed=cfg.train.seed, use_fast_tokenizer=not cfg.data.disable_fast_tokenizer,
         hybrid=cfg.device if cfg.hybrid else "")

@@ -14,7 +14,7 @@ routes work to active engines only."""
 import time
 from dataclasses import dataclass, field
 
-from openrlhf_async.rollout.engine import engine_placement_group, start_engine
+from openrlhf_async.rollout.engine import engine_placement_group, hybrid_engine_bundles, start_engine
 
 
 @dataclass
@@ -25,14 +25,15 @@ class Slot:
     ready: object = None  # the ready() call of a starting engine
     since: float = field(default_factory=time.time)  # when the engine it replaces died, or it was asked for
     reason: str = "initial"  # "initial", "replacement" or "growth"
-    bundle: int = 0  # its first bundle in the group
+    bundles: tuple = None  # its bundles in the hybrid engine's group (its workers', one node's); None: its own group
 
 
 class EngineFleet:
-    def __init__(self, cfg, model_path: str, shared_group=None):
-        """shared_group: the hybrid engine's placement group, the trainer ranks' too: engine k in bundles k x tensor
-        parallel on (its workers beside the ranks they share devices with), a replacement in the bundles of the engine
-        it replaces; the group outlives the engines. None: a group per engine."""
+    def __init__(self, cfg, model_path: str, shared_group=None, placed: list = None):
+        """shared_group: the hybrid engine's placement group, the trainer ranks' too, with placed, each engine's
+        bundles there (hybrid_engine_bundles: its workers beside the ranks they share devices with, on one node); a
+        replacement in the bundles of the engine it replaces; the group outlives the engines. None: a group per
+        engine."""
         self.cfg, self.model_path, self.shared_group = cfg, model_path, shared_group
         self.slots: dict = {}  # engine id -> Slot; ids are never reused
         self.next_id = 0
@@ -44,7 +45,7 @@ class EngineFleet:
         self.replace_s = []  # seconds from an engine's death to its replacement taking work
         for k in range(cfg.num_engines):
             if shared_group is not None:
-                self._start(shared_group, "initial", time.time(), k * cfg.vllm.tensor_parallel_size)
+                self._start(shared_group, "initial", time.time(), placed[k])
             else:
                 self._start(engine_placement_group(cfg), "initial", time.time())
 
@@ -108,7 +109,7 @@ class EngineFleet:
             if self.restarts_left > 0 and self.shared_group is not None:
                 self.restarts_left -= 1
                 self.counts["engines/replaced"] += 1
-                self._start(self.shared_group, "replacement", time.time(), slot.bundle)
+                self._start(self.shared_group, "replacement", time.time(), slot.bundles)
             elif self.restarts_left > 0:  # before growth: a group waiting for room to grow onto goes to it
                 self.restarts_left -= 1
                 self.counts["engines/replaced"] += 1
@@ -116,8 +117,9 @@ class EngineFleet:
                 self._start(group, "replacement", time.time())
 
     def bundles(self) -> dict:
-        """{engine id: its first bundle} (the hybrid engine: which trainer rank shares its devices)."""
-        return {i: s.bundle for i, s in self.slots.items()}
+        """{engine id: its bundles} (the hybrid engine: the trainer ranks sharing its devices, the first on its
+        actor's)."""
+        return {i: s.bundles for i, s in self.slots.items()}
 
     def weight_version(self) -> int:
         """The version of the trainer's newest sync: every active engine holds it."""
@@ -145,10 +147,10 @@ class EngineFleet:
 
     # ---- inside --------------------------------------------------------------------------------------------
 
-    def _start(self, group, reason: str, since: float, bundle: int = 0) -> None:
+    def _start(self, group, reason: str, since: float, bundles: tuple = None) -> None:
         engine_id, self.next_id = self.next_id, self.next_id + 1
-        handle = start_engine(self.cfg, self.model_path, engine_id, group, bundle)
-        self.slots[engine_id] = Slot(handle, group, "starting", handle.ready.remote(), since, reason, bundle)
+        handle = start_engine(self.cfg, self.model_path, engine_id, group, bundles)
+        self.slots[engine_id] = Slot(handle, group, "starting", handle.ready.remote(), since, reason, bundles)
 
     def _tick(self) -> None:
         """Promote engines that finished loading; a replacement or growth engine that died while loading counts as
@@ -186,9 +188,14 @@ def _quietly(call) -> None:
 
 
 def start_fleet(cfg, model_path: str, shared_group=None):
-    """The fleet actor, on the driver's node (it only starts engines and answers where they are)."""
+    """The fleet actor, on the driver's node (it only starts engines and answers where they are); with the hybrid
+    engine's shared_group, its engines' bundles chosen here (ConfigError where they would span nodes)."""
     import ray
 
     from openrlhf_async.utils.ray_utils import on_this_node
 
-    return ray.remote(EngineFleet).options(**on_this_node()).remote(cfg, model_path, shared_group)
+    placed = None
+    if shared_group is not None:
+        nodes = ray.util.placement_group_table(shared_group)["bundles_to_node_id"]
+        placed = hybrid_engine_bundles(nodes, cfg.vllm.tensor_parallel_size, cfg.num_engines)
+    return ray.remote(EngineFleet).options(**on_this_node()).remote(cfg, model_path, shared_group, placed)

@@ -1,5 +1,6 @@
 """The hybrid engine (OpenRLHF's colocate_all_models in sync mode): the vLLM engines share the trainer ranks' devices
-(trainer_placement_group's bundles, engine k beside ranks k x tensor parallel on), and a step hands the devices back
+(trainer_placement_group's bundles, each engine's workers beside the ranks of a node's bundles: rollout/engine.py
+hybrid_engine_bundles), and a step hands the devices back
 and forth in one order, so that the engines' and the trainer's full states are never held at once:
 
     generate -> engines sleep -> trainer states reloaded -> train -> states offloaded -> engines wake their weights
@@ -37,7 +38,7 @@ class HybridWeightSync(WeightSync):
         self.sleeping = set()  # ids of the engines put to sleep (to_train) that have not woken yet
         self.calls = []
         self.handover_s = 0.0  # seconds spent sleeping, waking, offloading and reloading since the last step's record
-        self.bundles = {}  # engine id -> its first bundle, the rank it shares devices with
+        self.bundles = {}  # engine id -> its bundles, the ranks it shares devices with (rank r in bundle r)
         super().__init__(policy, engines, cfg, fleet)  # maps the members' transfer (_connect)
         if self.trainer_sleep:  # generation comes first: the states wait in host memory
             self._ranks("offload_states")
@@ -149,15 +150,15 @@ class HybridWeightSync(WeightSync):
         if self.fleet is not None:
             self.bundles = ray.get(self.fleet.bundles.remote())
         else:
-            self.bundles = {i: i * self.tp for i in members}
+            self.bundles = {i: tuple(range(i * self.tp, (i + 1) * self.tp)) for i in members}
         ranks = self.policy.actors
         if self.cuda:
             infos = {i: {"packed": False} for i in members}
         else:
             size = max(_bucket_bytes(b) for b in self.buckets)
-            owners = sorted({self.bundles[i] for i in members})
+            owners = sorted({self.bundles[i][0] for i in members})
             paths = dict(zip(owners, get_all([ranks[r].open_weight_file.remote(size) for r in owners])))
-            infos = {i: {"transport": "shm", "path": paths[self.bundles[i]], "bucket_bytes": size} for i in members}
+            infos = {i: {"transport": "shm", "path": paths[self.bundles[i][0]], "bucket_bytes": size} for i in members}
         refs = [submit(e, "init_weight_transfer", infos[i]) for i, e in members.items()]
         outcomes = _outcomes(refs, self.timeout + 10)
         if not self.cuda:
@@ -171,9 +172,9 @@ class HybridWeightSync(WeightSync):
 
     def _send(self, members: dict, version: int) -> tuple:
         """One transfer, bucket by bucket: (the engines that got every bucket, whether all did)."""
-        # cuda: each of an engine's tensor-parallel workers takes the handles of the rank on its own GPU (bundles
-        # first .. first + TP - 1), every rank here being one of them; cpu: one file per engine, by its first rank.
-        owners = {self.bundles[i] + k for i in members for k in range(self.tp if self.cuda else 1)}
+        # cuda: each of an engine's tensor-parallel workers takes the handles of the rank on its own GPU (rank r in
+        # bundle r: the engine's bundles), every rank here being one of them; cpu: one file per engine, by its first.
+        owners = {r for i in members for r in (self.bundles[i] if self.cuda else self.bundles[i][:1])}
         members = self._keep(members, self._call(members, "start_weight_update"), ("died", "hung"))
         self.calls.append("start")
         complete = True

@@ -8,7 +8,8 @@ A vLLM engine takes --vllm.gpu_memory_utilization of each of its GPUs, whose wei
 must fit inside that share. In the hybrid engine an engine and a rank share each device, and the plan checks the peak
 of the step's three phases (trainer/hybrid.py): generation (the engine awake beside what the rank keeps), training
 (the rank's peak beside what a sleeping engine keeps) and the weight transfer (the engine's weights, what the rank
-keeps, and one gathered bucket). GB here are 2^30 bytes, as torch and nvidia-smi count them."""
+keeps, and the model's copies it exports), each with both processes' CUDA contexts. GB here are 2^30 bytes, as torch
+and nvidia-smi count them."""
 
 import dataclasses
 import functools
@@ -17,6 +18,13 @@ from dataclasses import dataclass
 
 GB = 2**30
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements (not set in deepspeed_config)
+# Outside torch's allocator, so outside the rank's and the engine's figures, what a process on a GPU holds however it
+# sleeps: its CUDA context with the kernels loaded and cuBLAS's and NCCL's workspaces (0.3-0.6 GiB per process in
+# published measurements of CUDA 12-13 with lazy loading); and a vLLM engine's CUDA-graph pool, which sleep level 1
+# does not release (only its weights' and KV cache's pools), under 1 GiB for the batch sizes vLLM captures. Counted
+# in the hybrid engine's phases, where two processes share each device; `make gpu-e2e` measures them on a GPU.
+PROCESS_RESIDUAL = GB // 2
+CUDA_GRAPH_POOL = GB
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class Setup:
     device: str
     hybrid: bool = False  # an engine shares each rank's device (--train.colocate_all in sync mode)
     engine_sleep: bool = False  # --vllm.enable_sleep: the engine's weights and KV cache leave the device to train
+    cuda_graphs: bool = True  # not --vllm.enforce_eager: vLLM keeps a CUDA-graph pool
     trainer_sleep: bool = False  # --ds.enable_sleep: the rank's gradients and optimizer leave it to generate
     lora_rank: int = 0  # --ds.lora.rank: the adapter alone has gradients and optimizer states; no second model
     lora_targets: object = "all-linear"
@@ -115,7 +124,8 @@ def setup_of(cfg) -> Setup:
                  tensor_parallel=cfg.vllm.tensor_parallel_size,
                  gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                  cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device, hybrid=cfg.hybrid,
-                 engine_sleep=cfg.vllm.enable_sleep, trainer_sleep=cfg.ds.enable_sleep,
+                 engine_sleep=cfg.vllm.enable_sleep, cuda_graphs=not cfg.vllm.enforce_eager,
+                 trainer_sleep=cfg.ds.enable_sleep,
                  lora_rank=cfg.ds.lora_rank,
                  lora_targets=cfg.ds.lora_target_modules)
 
@@ -189,24 +199,29 @@ def engine_bytes(m: ModelShape, s: Setup, device_bytes) -> dict:
     if s.device == "cpu":
         return {"weights": int(weights), "total": int(weights + s.cpu_kvcache_gb * GB)}
     share = s.gpu_memory_utilization * device_bytes if device_bytes else None
+    graphs = CUDA_GRAPH_POOL if s.cuda_graphs else 0
     return {"weights": int(weights), "total": int(share) if share else None,
-            "kv_cache": int(share - weights) if share else None}
+            "kv_cache": int(share - weights - graphs) if share else None}
 
 
 def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
     """One device of the hybrid engine, by phase of the step. The rank keeps its weights and the frozen reference
     model throughout; its gradients, optimizer and buffers too unless --ds.enable_sleep offloads them (DeepSpeed's
     offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
-    keeps nothing that counts; an engine that does not sleep keeps its whole share. During the transfer each rank
-    holds every bucket's copy it exported by CUDA IPC until the engines finish reading them
-    (trainer/weight_export.py share_bucket): the whole model on each GPU."""
+    keeps its CUDA-graph pool; an engine that does not sleep keeps its whole share. Both processes keep their CUDA
+    context (PROCESS_RESIDUAL) in every phase. During the transfer each rank holds every bucket's copy it exported by
+    CUDA IPC until the engines finish reading them (trainer/weight_export.py share_bucket): the whole model on each
+    GPU."""
     offloaded = s.trainer_sleep and not s.adam_offload
     kept = rank["weights"] + rank["reference"] + s.colocated_kept + (
         0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
     awake = engine["total"] or 0
-    phases = {"generate": awake + kept,
-              "train": rank["total"] + (0 if s.engine_sleep else awake),
-              "transfer": (engine["weights"] if s.engine_sleep else awake) + kept + s.dtype_bytes * m.params}
+    asleep = CUDA_GRAPH_POOL if s.cuda_graphs else 0
+    contexts = 2 * PROCESS_RESIDUAL
+    phases = {"generate": awake + kept + contexts,
+              "train": rank["total"] + (asleep if s.engine_sleep else awake) + contexts,
+              "transfer": (engine["weights"] + asleep if s.engine_sleep else awake) + kept + s.dtype_bytes * m.params
+              + contexts}
     return {**phases, "peak": max(phases.values())}
 
 
