@@ -63,15 +63,26 @@ def ensure_packages(wheels: str, required=None, tool: str = "gpu-check", fill: s
         return False
     if resolve:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels, *missing]
-    else:
+    else:  # what the machine has stays as it is (its torch's numpy, its transformers)
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-               *sorted(os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl"))]
+               *sorted(os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl")
+                       and not _installed(w.split("-")[0]))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or missing_packages(required):
         last = (proc.stderr.strip().splitlines() or ["no error message"])[-1]
         print(f"{tool}: could not install {' and '.join(missing)} from {wheels} ({last})", flush=True)
         return False
     return True
+
+
+def _installed(project: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution(project)
+        return True
+    except PackageNotFoundError:
+        return False
 
 
 def download_wheels(folder: str, python_version: str = "") -> None:

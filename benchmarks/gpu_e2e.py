@@ -22,6 +22,7 @@ prepares the wheels in pieces that travel one command each (benchmarks/gpu_kit.p
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -351,6 +352,8 @@ def main(argv=None) -> int:
         ap.error(f"--shape {args.shape}: use one of {', '.join(SHAPES)}")
     if args.device == "cuda":
         torch.cuda.set_device(0)
+        if importlib.util.find_spec("flashinfer") is None:  # the kit brings none: vLLM's own sampler instead
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     with tempfile.TemporaryDirectory(prefix="gpu-e2e-") as folder:
         model = build_model(args.shape, args.dtype, folder, args.seed)
         cfg = config_of(args, model)

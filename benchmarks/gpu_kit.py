@@ -26,8 +26,18 @@ sys.path.insert(0, ROOT)
 
 VLLM = "vllm==0.26.0"  # the release built for torch 2.11 and CUDA 13, what the GPU machines run
 # What vLLM 0.26 imports to run one AsyncLLM engine (its engine core in a process of its own, one GPU, no Ray) beyond
-# torch, transformers (and what they need), triton and peft, which the GPU machines have.
-ONE_GPU = ()
+# torch, transformers (and what they need), triton and peft, which the GPU machines have: found by importing its
+# engine, worker, model runner, Qwen2 model, weight transfer and sleep allocator with each package removed in turn
+# (2026-11-27, a Python 3.11 venv with PyPI's torch 2.11.0 and the platform forced to CUDA; the cp312 wheels
+# install with --no-deps). openai 2.x: 3.x would need httpx2 and httpcore2; xgrammar 0.2.7 with tvm-ffi 0.1.10, as
+# vLLM's pin resolves. Not among them: flashinfer (gpu_e2e.py turns its sampler off), blake3 (images only), Ray.
+ONE_GPU = ("aiohappyeyeballs==2.7.1", "aiohttp==3.14.5", "aiosignal==1.4.0", "apache-tvm-ffi==0.1.10",
+           "attrs==26.1.0", "cachetools==8.0.2", "cbor2==6.3.0", "cloudpickle==3.1.3", "distro==1.9.0",
+           "einops==0.8.2", "fastapi==0.136.3", "frozenlist==1.8.0", "llguidance==1.7.6", "msgspec==0.22.0",
+           "multidict==7.2.1", "openai==2.54.0", "openai-harmony==0.0.8", "pillow==13.0.0",
+           "prometheus_client==0.26.0", "propcache==0.5.4", "py-cpuinfo==9.0.0", "pybase64==1.5.1",
+           "pyzmq==27.3.0", "requests==2.34.2", "sniffio==1.3.1", "starlette==1.10.0", "urllib3==2.8.0",
+           "uvloop==0.23.0", "xgrammar==0.2.7", "yarl==1.25.1")
 PIECE_BYTES = 56 << 20  # a piece and the manifest travel under the 64 MiB a command carries
 ARCHIVE = "wheels.tar"
 
@@ -128,8 +138,9 @@ def prepare(folder: str, python_version: str) -> dict:
     wheels = os.path.join(folder, "wheels")
     os.makedirs(wheels, exist_ok=True)
     download_wheels(wheels, python_version)  # deepspeed, accelerate and theirs, less what torch brings
-    platform = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                "--platform", "manylinux2014_x86_64", "--only-binary", ":all:"]
+    # The GPU machines' glibc (Ubuntu 24.04's Python 3.12.3: 2.39) takes wheels of any manylinux tag up to it.
+    platform = [arg for minor in range(17, 40) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")]
+    platform += ["--platform", "manylinux2014_x86_64", "--only-binary", ":all:"]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", wheels, VLLM, *ONE_GPU]
     if python_version:
         cmd[5:5] = ["--python-version", python_version, *platform]

@@ -16,12 +16,15 @@ sys.path.insert(0, ROOT)
 from benchmarks import gpu_kit  # noqa: E402
 
 
-def test_the_harness_runs_the_hybrid_step_and_its_check_catches_an_engine_that_skipped_loading():
+def test_the_harness_runs_the_hybrid_step_and_its_check_catches_an_engine_that_skipped_loading(tmp_path):
     """Three steps; the third transfer's buckets are left unloaded (a planted fault): the first two checks pass (log-
     probs within the dtype's tolerance, the new weights moving them by more than it), the third fails, and so does
-    the run."""
+    the run. Ray cannot be imported, as on the GPU machines."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('no Ray here, as on the GPU machines')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_e2e.py"), "--device", "cpu",
-                           "--steps", "3", "--fault_at_step", "3"], capture_output=True, text=True, cwd=ROOT)
+                           "--steps", "3", "--fault_at_step", "3"], capture_output=True, text=True, cwd=ROOT, env=env)
     lines = proc.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), proc.stderr[-3000:]
     result = json.loads(lines[-1])

@@ -451,11 +451,11 @@ def wait_for_device_memory(fraction: float, timeout_s: float = 120.0, poll_s: fl
 
 
 def _nvml_free_total():
-    """(free, total) bytes of the one GPU Ray gave this actor, read through NVML; None without exactly one."""
-    import ray
-
+    """(free, total) bytes of the one GPU Ray gave this actor, read through NVML; None without exactly one (or
+    without Ray: an engine run on its own, as benchmarks/gpu_e2e.py does)."""
     try:
         import pynvml  # vLLM's CUDA build depends on nvidia-ml-py
+        import ray
 
         gpu_ids = ray.get_gpu_ids()
         if len(gpu_ids) != 1:
