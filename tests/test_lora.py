@@ -83,6 +83,40 @@ def test_the_engines_weights_are_the_base_names_with_each_adapted_layer_merged(t
             assert (model(input_ids=ids).logits - adapted).abs().max() > 1e-2, "the adapter had no effect to merge"
 
 
+def test_a_bf16_merge_keeps_an_adapters_updates_below_half_an_ulp_in_expectation():
+    """bf16(W + s B A) rounded to nearest drops every update below half a unit in the last place of W, so an
+    adapter's first steps never reached bf16 engines. Rounded stochastically (seeded: the same on every rank and
+    call), the merged weights equal W + s B A in expectation: their mean moves by the update, a layer's output
+    follows it, and only an adapter that changed draws again."""
+    from openrlhf_async.trainer.weight_export import source_value
+
+    torch.manual_seed(0)
+    rows, cols = 256, 256
+    weight = (0.016 + 0.015 * torch.rand(rows, cols)).to(torch.bfloat16)  # one binade: ulp 2^-13
+    ulp = 2.0**-13
+    update = 0.1 * ulp
+    a, b = torch.ones(1, cols), torch.full((rows, 1), update)
+    params = [weight, a, b]
+    nearest = (weight.float() + b @ a).to(torch.bfloat16)
+    assert torch.equal(nearest, weight), "round to nearest keeps the update (the premise is wrong)"
+
+    merged = source_value(params, 1.0, "layers.0.mlp.up_proj.weight")
+    assert merged.dtype == torch.bfloat16
+    assert torch.equal(merged, source_value(params, 1.0, "layers.0.mlp.up_proj.weight")), "not reproducible"
+    steps = (merged.float() - weight.float()) / ulp
+    assert set(steps.unique().tolist()) <= {0.0, 1.0}, "not one of the two neighbours"
+    # Each element moves one ulp with probability 0.1: the mean's standard deviation is sqrt(0.09 / n) ulp.
+    sd = (0.09 / (rows * cols)) ** 0.5
+    assert abs(float(steps.mean()) - 0.1) < 5 * sd
+    x = torch.rand(8, cols)  # a layer's output: the update's effect x @ (s B A)^T survives
+    exact, expected_effect = x @ (weight.float() + b @ a).T, float((x @ (b @ a).T).abs().mean())
+    assert float((x @ merged.float().T - exact).abs().mean()) < 0.2 * expected_effect
+    assert float((x @ nearest.float().T - exact).abs().mean()) > 0.99 * expected_effect
+    other = source_value([weight, a, b * 1.5], 1.0, "layers.0.mlp.up_proj.weight")
+    assert not torch.equal((other.float() - weight.float()) > 0, steps > 0), "a new adapter drew the same"
+    assert torch.equal(source_value([weight.float(), a, b], 1.0), weight.float() + b @ a), "fp32 is merged exactly"
+
+
 # ---- on the session's engines and a LoRA policy of 2 ZeRO-3 ranks --------------------------------------------------
 
 @pytest.fixture(scope="module")
