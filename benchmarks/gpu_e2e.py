@@ -214,26 +214,28 @@ class Harness:
         return self.run(all_of())
 
     def transfer(self, version: int, skip_buckets: bool = False) -> dict:
-        """The weights as the hybrid engine sends them (HybridWeightSync._send): start, each bucket, finish with the
-        version, and on cuda the shared copies given back before the KV cache wakes. Returns the peak of the
-        transfer (cuda: the device's used memory with every bucket's copy held). skip_buckets: a planted fault, an
-        engine that loads none of the buckets it is sent."""
-        cuda, held_gb = self.cfg.device == "cuda", None
+        """The weights as the hybrid engine sends them (HybridWeightSync._send): start, each bucket (on cuda its
+        copies dropped once the engine's call returned), finish with the version, and on cuda what is left collected
+        before the KV cache wakes. Returns the transfer's peak (cuda: the device's used memory with each bucket's copy
+        held, the largest). skip_buckets: a planted fault, an engine that loads none of the buckets it is sent."""
+        cuda, held = self.cfg.device == "cuda", []
         self.run(self.engine.start_weight_update())
         for bucket in self.buckets:
             info = {"names": [n for n, _, _ in bucket], "dtype_names": [d for _, d, _ in bucket],
                     "shapes": [list(s) for _, _, s in bucket]}
             if cuda:
                 info["ipc_handles"] = self.actor.share_bucket(bucket, True)
+                held.append(self.memory.used_gb())
             else:
                 self.actor.write_bucket(bucket)
             if not skip_buckets:
                 self.run(self.engine.update_weights(info))
+            if cuda:
+                self.actor.release_shared()
         self.run(self.engine.finish_weight_update(version))
         if cuda:
-            held_gb = self.memory.used_gb()
             self.actor.release_shared()
-        return {"held_gb": held_gb, "buckets": len(self.buckets)}
+        return {"held_gb": max(held) if held else None, "buckets": len(self.buckets)}
 
     def train(self, outs: list, seed: int) -> dict:
         """One optimizer step on vLLM's own samples, half of them pushed up and half down."""

@@ -198,3 +198,24 @@ def test_a_replacement_engine_waits_for_its_gpu_to_be_released_before_vllm_check
     waited = wait_for_device_memory(0.9, timeout_s=0.05, poll_s=0.01, free_total=lambda: (10, 100))
     assert 0.05 <= waited < 1
     assert wait_for_device_memory(0.9) == 0.0  # no GPU here: no wait
+
+
+def test_buckets_never_split_a_decoder_layer_so_each_is_consumed_by_the_call_that_brings_it():
+    """vLLM's layerwise reload keeps a module's weights until all of them arrived: a layer split across buckets would
+    keep the first bucket referenced (its IPC copy alive) until the second came."""
+    layer = [("model.layers.{}.self_attn.q_proj.weight", (8, 8)), ("model.layers.{}.self_attn.k_proj.weight", (4, 8)),
+             ("model.layers.{}.mlp.up_proj.weight", (16, 8))]  # 256 + 128 + 512 bytes in fp32
+    shapes = [("model.embed_tokens.weight", "float32", (16, 8))] + [
+        (name.format(k), "float32", shape) for k in range(3) for name, shape in layer] + [
+        ("model.norm.weight", "float32", (8,))]
+    buckets = plan_buckets(shapes, bucket_bytes=1500)  # weight by weight, layer 2 would straddle two
+    prefixes = [{n.split(".self_attn")[0].split(".mlp")[0] for n, _, _ in b if ".layers." in n} for b in buckets]
+    assert [[n for n, _, _ in b] for b in buckets][0] == ["model.embed_tokens.weight"] + [
+        name.format(0) for name, _ in layer]
+    for k in range(3):  # each layer whole in one bucket
+        assert sum(f"model.layers.{k}" in p for p in prefixes) == 1, prefixes
+    assert len(buckets) == 3 and buckets[-1][-1][0] == "model.norm.weight"
+    # A layer larger than the bucket is a bucket of its own, whole.
+    big = plan_buckets(shapes, bucket_bytes=300)
+    assert [n for n, _, _ in big[1]] == [name.format(0) for name, _ in layer]
+    assert [n for b in big for n, _, _ in b] == [n for n, _, _ in shapes]  # nothing lost, the order kept

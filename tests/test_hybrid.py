@@ -195,12 +195,15 @@ def test_on_cuda_each_tensor_parallel_worker_gets_the_handles_of_the_rank_on_its
     assert [u["names"] for u in updates] == [["a"], ["b"], ["c"]]
     assert updates[0]["ipc_handles"] == [{f"gpu{r}": ("handle", "a") for r in range(4)}]
     assert sync.version == 1
-    # The ranks drop the copies the engines read, and give their memory back, before the engines wake the KV cache.
+    # The ranks drop each bucket's copies once the engines' call that loads it returned (a whole model's copy per GPU
+    # otherwise), and collect what vLLM kept until its finish before the engines wake the KV cache.
     steps = [(who, method) for who, method, *_ in log]
-    finish, release, wake = (steps.index(("engines", "finish_weight_update")), steps.index(("ranks", "release_shared")),
-                             len(steps) - 1)
-    assert finish < release < wake and log[wake] == ("engines", "wake_up", ["kv_cache"]), steps
-    assert sync.calls[-3:] == ["finish 1", "release", "wake kv_cache"]
+    shares = [k for k, step in enumerate(steps) if step == ("ranks", "share_bucket")]
+    for k in shares:
+        assert steps[k + 1: k + 3] == [("engines", "update_weights"), ("ranks", "release_shared")], steps
+    finish, wake = steps.index(("engines", "finish_weight_update")), len(steps) - 1
+    assert steps[finish + 1] == ("ranks", "release_shared") and log[wake] == ("engines", "wake_up", ["kv_cache"])
+    assert sync.calls[-7:] == ["update", "release", "update", "release", "finish 1", "release", "wake kv_cache"]
 
 
 def test_a_step_without_a_sync_wakes_the_engines_whole_on_their_old_weights():
@@ -600,21 +603,24 @@ def test_a_rank_gives_the_shared_copies_memory_back_to_the_device_once_the_engin
     assert done == [("ipc_collect", None), ("empty_cache", None)]
 
 
-def test_the_memory_plan_counts_the_whole_models_ipc_copies_in_the_transfer():
-    """On cuda the ranks keep every bucket they export by IPC until the engines finish reading (weight_export.py):
-    a whole model's copy on each GPU (16 GB for an 8B model in bf16) where one bucket was counted."""
+def test_the_memory_plan_counts_the_ipc_copies_a_rank_holds_in_the_transfer():
+    """On cuda a rank holds the copies it exports by IPC until the engines' call that loads them returns
+    (weight_export.py, hybrid.py): two layer-aligned buckets at most and the embeddings vLLM may keep until its
+    finish; once the whole model (16 GB for an 8B model in bf16), with one bucket counted before that."""
     from openrlhf_async.trainer import memory_plan
 
     cfg = preset_config(*HYBRID, "--plan.device_memory_gb", "80", "--ds.param_dtype", "bf16",
-                        "--actor.gradient_checkpointing_enable", "--train.micro_batch_size", "1")
+                        "--actor.gradient_checkpointing_enable", "--train.micro_batch_size", "1", "--vllm.enforce_eager")
     cfg.device, cfg.actor.model_name_or_path = "cuda", os.path.join(MODEL_CONFIGS, "DeepSeek-R1-Distill-Qwen-1.5B")
     plan = memory_plan.for_config(cfg)
     phases, engine = plan["hybrid"], plan["vllm_engine"]
-    whole = 2 * plan["params"]  # bf16
-    assert engine["weights"] == whole  # tensor parallel 1: the engine's weights are the model
-    # The sleeping engine's weights, the copies, and what the rank keeps in every phase (generation: beside the
-    # engine's whole share).
-    assert phases["transfer"] - engine["weights"] - whole == phases["generate"] - engine["total"]
+    shape = memory_plan.model_shape(cfg.actor.model_name_or_path)
+    layer, embeddings = 2 * shape.layer_params, 2 * shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    copies = 2 * max(64 << 20, layer) + embeddings
+    assert memory_plan.ipc_copies_bytes(shape, memory_plan.setup_of(cfg)) == copies < plan["params"]  # < half the model
+    # The sleeping engine's weights (eager: no graph pool), the copies, and what the rank keeps in every phase
+    # (generation: beside the engine's whole share).
+    assert phases["transfer"] - engine["weights"] - copies == phases["generate"] - engine["total"]
 
 
 def test_the_memory_plan_counts_what_a_sleeping_engine_and_both_processes_keep_on_the_device():

@@ -4,6 +4,7 @@ NCCL's semantics handled (on gloo the same code). Plain torch: it imports nowher
 
 import math
 import os
+import re
 import threading
 import time
 
@@ -13,18 +14,40 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
-    """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order."""
+    """Group [(name, dtype, shape)] into buckets of at most bucket_bytes (one dtype per bucket), in order, never
+    splitting a decoder layer's weights (`...layers.N.*`, where its dtype is one) across two: vLLM's layerwise reload
+    keeps the weights of a module it has not seen whole until the rest arrive, so with whole layers each bucket is
+    consumed by the call that brings it (its sender may drop it then: trainer/hybrid.py). A layer larger than
+    bucket_bytes is a bucket of its own."""
     buckets, current, size = [], [], 0
-    for name, dtype, shape in named_shapes:
-        nbytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
+    for unit in _layers(named_shapes):
+        dtype, nbytes = unit[0][1], sum(_nbytes(d, s) for _, d, s in unit)
         if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
             buckets.append(current)
             current, size = [], 0
-        current.append((name, dtype, tuple(shape)))
+        current += [(name, d, tuple(shape)) for name, d, shape in unit]
         size += nbytes
     if current:
         buckets.append(current)
     return buckets
+
+
+def _layers(named_shapes: list) -> list:
+    """Consecutive weights of one decoder layer (and one dtype) as one unit; any other weight alone."""
+    units, key = [], None
+    for item in named_shapes:
+        match = re.match(r"(.*\.layers\.\d+)\.", item[0])
+        here = (match.group(1), item[1]) if match else None
+        if here is not None and here == key:
+            units[-1].append(item)
+        else:
+            units.append([item])
+        key = here
+    return units
+
+
+def _nbytes(dtype: str, shape) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
 
 
 def unflatten(buffer: torch.Tensor, bucket: list):

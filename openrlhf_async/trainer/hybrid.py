@@ -189,6 +189,9 @@ class HybridWeightSync(WeightSync):
                 self._ranks("write_bucket", bucket)
             outcomes = self._call(members, "update_weights", info)
             self.calls.append("update")
+            if self.cuda:  # loaded by the call (whole layers: vLLM keeps nothing of it), so its copies go now
+                self._ranks("release_shared")
+                self.calls.append("release")
             members = self._keep(members, outcomes, ("died", "hung"))
             if any(kind == "error" for kind, _ in outcomes) or not members:
                 complete = False
@@ -198,7 +201,7 @@ class HybridWeightSync(WeightSync):
             self.calls.append(f"finish {version}")
             members = self._keep(members, outcomes, ("died", "hung"))
             complete = not any(kind == "error" for kind, _ in outcomes)
-        if self.cuda:  # before the engines wake their KV cache (_after): the copies' memory is theirs again
+        if self.cuda:  # before the engines wake their KV cache (_after): what vLLM kept until its finish is free
             self._ranks("release_shared")
             self.calls.append("release")
         if not complete:

@@ -104,6 +104,7 @@ class Setup:
     # weights while training; what of them stays on the device while the engines generate (the hybrid engine).
     colocated_train: int = 0
     colocated_kept: int = 0
+    bucket_bytes: int = 64 << 20  # --train.weight_sync_bucket_mb
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -127,7 +128,7 @@ def setup_of(cfg) -> Setup:
                  engine_sleep=cfg.vllm.enable_sleep, cuda_graphs=not cfg.vllm.enforce_eager,
                  trainer_sleep=cfg.ds.enable_sleep,
                  lora_rank=cfg.ds.lora_rank,
-                 lora_targets=cfg.ds.lora_target_modules)
+                 lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20)
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:
@@ -209,9 +210,8 @@ def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
     model throughout; its gradients, optimizer and buffers too unless --ds.enable_sleep offloads them (DeepSpeed's
     offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
     keeps its CUDA-graph pool; an engine that does not sleep keeps its whole share. Both processes keep their CUDA
-    context (PROCESS_RESIDUAL) in every phase. During the transfer each rank holds every bucket's copy it exported by
-    CUDA IPC until the engines finish reading them (trainer/weight_export.py share_bucket): the whole model on each
-    GPU."""
+    context (PROCESS_RESIDUAL) in every phase. During the transfer each rank holds the copies it exports by CUDA IPC
+    (ipc_copies_bytes)."""
     offloaded = s.trainer_sleep and not s.adam_offload
     kept = rank["weights"] + rank["reference"] + s.colocated_kept + (
         0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
@@ -220,9 +220,19 @@ def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
     contexts = 2 * PROCESS_RESIDUAL
     phases = {"generate": awake + kept + contexts,
               "train": rank["total"] + (asleep if s.engine_sleep else awake) + contexts,
-              "transfer": (engine["weights"] + asleep if s.engine_sleep else awake) + kept + s.dtype_bytes * m.params
+              "transfer": (engine["weights"] + asleep if s.engine_sleep else awake) + kept + ipc_copies_bytes(m, s)
               + contexts}
     return {**phases, "peak": max(phases.values())}
+
+
+def ipc_copies_bytes(m: ModelShape, s: Setup) -> int:
+    """The copies a rank holds while its engine reads them (trainer/hybrid.py): each bucket's is dropped once the
+    call that loads it returned, its buckets never split a layer (sync_group.plan_buckets), so two at most (the one
+    being read, the one before still being collected), and the embeddings, which vLLM may keep until its finish (a
+    padded vocabulary is never seen whole); never more than the whole model."""
+    bucket = max(s.bucket_bytes, s.dtype_bytes * m.layer_params)
+    embeddings = s.dtype_bytes * m.vocab * m.hidden * (1 if m.tied else 2)
+    return min(s.dtype_bytes * m.params, 2 * bucket + embeddings)
 
 
 def plan(m: ModelShape, s: Setup, device_bytes, checked: bool) -> dict:
@@ -297,7 +307,8 @@ def refusal(p: dict, m: ModelShape, s: Setup, dynamic: bool, longest: int):
         phase = max(("generate", "train", "transfer"), key=shared.get)
         fixes = {"generate": "--ds.enable_sleep, or a lower --vllm.gpu_memory_utilization",
                  "train": "--vllm.enable_sleep",
-                 "transfer": "a larger device (each GPU holds the whole model's copy while its engine reads it)"}[phase]
+                 "transfer": "a smaller --train.weight_sync_bucket_mb or a larger device (each GPU holds the copies its "
+                             "engine reads)"}[phase]
         if phase == "train" and s.engine_sleep:
             fixes = "a lower --vllm.gpu_memory_utilization"
         return (f"memory plan: the hybrid engine's {phase} phase needs {shared['peak'] / GB:.1f} GB of "

@@ -214,14 +214,15 @@ class WeightExport:
             if owner:
                 uuid = str(torch.cuda.get_device_properties(self._device()).uuid)
                 kept = [t.detach().clone() for t in values()]
-                self.held = (self.held or []) + kept  # the engine reads them until its finish_weight_update
+                self.held = (self.held or []) + kept  # until the engine's update_weights of the bucket returns
                 handles = [{uuid: reduce_tensor(t)[1]} for t in kept]
         return handles
 
     def release_shared(self) -> None:
-        """Drop the copies the engine read (it finished its update) and give their blocks back to the device: kept
-        in this process's caching allocator they would stay out of reach of the engine (another process), which
-        wakes its KV cache next."""
+        """Drop the copies the engine read (after each bucket's update, and at its finish) and give their blocks
+        back to the device: kept in this process's caching allocator they would stay out of reach of the engine
+        (another process), which wakes its KV cache next. A copy the engine still references (a module vLLM has not
+        seen whole) is not lost: CUDA IPC keeps its block until the engine lets go, and ipc_collect frees it then."""
         self.held = None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
