@@ -62,10 +62,6 @@ def run_cli(tmp_path, *flags):
          "--rollout.screen_samples 4 drops groups that would be flat, which only makes sense with dynamic sampling"),
         (["--reward.stop_properly_penalty_coef", "2"], "--reward.stop_properly_penalty_coef 2.0: must not be above 1"),
         (["--actor.dual_clip", "0.5"], "--actor.dual_clip 0.5: must be above 1"),
-        (["--rollout.top_p", "0.7"], "--rollout.top_p 0.7 with --algo.advantage.is_correction_level token: vLLM's "
-                                     "log-probs are of the top-p-truncated distribution"),
-        (["--rollout.top_p", "0.9", "--algo.advantage.is_correction_level", "off", "--actor.proximal_policy",
-          "rollout"], "--rollout.top_p 0.9 with --actor.proximal_policy rollout: vLLM's log-probs"),
         (["--algo.kl.init_coef", "0.01", "--algo.advantage.estimator", "reinforce_baseline"],
          "--algo.kl.init_coef 0.01 without --algo.kl.use_loss puts the KL in the reward"),
         (["--reward.workers", "0"], "--reward.workers 0: must be at least 1"),

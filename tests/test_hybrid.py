@@ -489,8 +489,6 @@ def _cli(flags: list, cwd, timeout: int):
 
 
 FIXED = {  # the flags of a script this project refuses, in the order it says so: what a user writes instead, and why
-    "multiturn_agent_flat": [("--top_p", ["--top_p", "1"],  # vLLM's processed log-probs are truncated at top_p
-                              "--rollout.top_p 0.98 with --algo.advantage.is_correction_level token")],
     # GRPO's group of 1 has no spread (OpenRLHF trains it with advantages of 0)
     "grpo_flat": [("--n_samples_per_prompt", ["--n_samples_per_prompt", "8"],
                    "--rollout.n_samples_per_prompt must be at least 2 (got 1)")],

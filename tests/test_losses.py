@@ -180,3 +180,49 @@ def test_token_logprobs_and_entropy_use_temperature():
     assert abs(token_logprobs(logits, tokens).item() - math.log(math.e**2 / (math.e**2 + 1))) < 1e-6
     assert abs(token_logprobs(logits, tokens, 2.0).item() - math.log(math.e / (math.e + 1))) < 1e-6
     assert token_entropy(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4))
+
+
+# ---- log-probs of the nucleus distribution the rollout sampled from (--rollout.top_p < 1) ---------------------------
+
+def _nucleus_logprob(logits_row, token: int, temperature: float, top_p: float) -> float:
+    """Directly, one position at a time: vLLM's rule (drop, least likely first, while the dropped mass stays at or
+    below 1 - top_p; never the most likely), the chosen token kept, then renormalised over what is kept."""
+    probs = torch.softmax(logits_row.double() / temperature, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: probs[i])
+    kept, dropped_mass = set(range(len(probs))), 0.0
+    for i in order[:-1]:
+        if dropped_mass + probs[i] > 1 - top_p:
+            break
+        dropped_mass += probs[i]
+        kept.discard(i)
+    kept.add(token)
+    return math.log(probs[token] / sum(probs[i] for i in kept))
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.98])
+def test_the_trainers_log_probs_under_top_p_are_the_nucleus_distributions_computed_directly(top_p):
+    from openrlhf_async.trainer.losses import token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 40) * 3
+    tokens = torch.randint(0, 40, (2, 6))
+    got = token_logprobs(logits, tokens, 0.7, top_p)
+    for b in range(2):
+        for t in range(6):
+            want = _nucleus_logprob(logits[b, t], int(tokens[b, t]), 0.7, top_p)
+            assert abs(float(got[b, t]) - want) < 1e-5, (b, t, float(got[b, t]), want)
+    whole = token_logprobs(logits, tokens, 0.7)
+    assert (got >= whole - 1e-6).all() and (got > whole + 1e-3).any(), "the nucleus renormalises upwards"
+    assert torch.equal(token_logprobs(logits, tokens, 0.7, 1.0), whole)
+
+
+def test_under_top_p_only_the_kept_logits_get_gradients_and_the_sampled_token_is_always_kept():
+    from openrlhf_async.trainer.losses import token_logprobs
+
+    logits = torch.tensor([[[4.0, 3.0, 0.0, -1.0, -9.0]]], requires_grad=True)
+    unlikely = torch.tensor([[4]])  # far outside any nucleus at 0.9, yet vLLM drew it: kept, finite
+    value = token_logprobs(logits, unlikely, 1.0, 0.9)
+    assert torch.isfinite(value).all()
+    value.sum().backward()
+    grad = logits.grad[0, 0]
+    assert grad[2] == 0 and grad[3] == 0 and grad[0] != 0 and grad[4] != 0, grad

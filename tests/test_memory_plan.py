@@ -110,3 +110,11 @@ def test_a_dry_run_reports_the_plan_and_refuses_what_cannot_fit(tmp_path, capsys
     flag, size = err.split("; try ")[1].split()
     assert flag == "--train.micro_batch_size" and 1 <= int(size) < 64
     assert dry_run(tmp_path, "--plan.device_memory_gb", "0.1", "--train.micro_batch_size", size) == 0
+
+
+def test_the_nucleus_of_top_p_adds_its_sort_to_the_logits_of_each_chunk():
+    """Under --rollout.top_p < 1 the trainer picks each position's nucleus from a sorted copy of its logits
+    (losses.top_p_logits): its values, their int64 order, the cumulative probabilities and the masked copy."""
+    whole, nucleus = (rank_bytes(QWEN25_7B, gpu_setup(top_p=p)) for p in (1.0, 0.98))
+    assert nucleus["logits"] - whole["logits"] == 1024 * QWEN25_7B.vocab * 20  # the chunk's positions
+    assert nucleus["total"] > whole["total"]

@@ -49,6 +49,25 @@ def test_sync_makes_engines_match_trainer(restore_weights, engines, policy, weig
             assert diff <= 1e-4, f"log-prob mismatch {diff}"
 
 
+def test_under_top_p_the_trainers_log_probs_are_vllms_of_the_nucleus_it_sampled_from(
+        restore_weights, engines, policy, weight_sync, tiny_model_path):
+    """vLLM reports the log-probs of the top-p-truncated distribution it sampled from; the trainer, told the same
+    top_p, scores the tokens under the same nucleus (losses.top_p_logits), so the importance ratio compares like with
+    like; the whole distribution's log-probs differ from vLLM's by the nucleus's missing mass."""
+    weight_sync.sync()
+    prompts = _prompt_ids(tiny_model_path, 6)
+    nucleus = {"temperature": 1.0, "top_p": 0.7, "max_tokens": 16, "ignore_eos": True}
+    outs = ray.get([engines[0].generate.remote(p, {**nucleus, "seed": 40 + i}, f"top-p-{i}")
+                    for i, p in enumerate(prompts)])
+    samples = [{"prompt_ids": o["prompt_ids"], "response_ids": o["response_ids"]} for o in outs]
+    truncated = policy.logprobs(samples, 1.0, top_p=0.7)
+    whole = policy.logprobs(samples, 1.0)
+    diff = max(abs(a - b) for o, t in zip(outs, truncated) for a, b in zip(o["logprobs"], t))
+    off = max(abs(a - b) for o, w in zip(outs, whole) for a, b in zip(o["logprobs"], w))
+    assert diff <= 1e-4, f"log-prob mismatch under top-p {diff}"
+    assert off > 0.01, f"the nucleus dropped no mass here ({off}): the test shows nothing"
+
+
 def test_the_weights_reach_the_engines_through_vllms_weight_transfer_api_which_keeps_their_version(
         engines, weight_sync):
     """vLLM's own RL update API carries the sync: each engine's vLLM is configured with this project's registered

@@ -363,15 +363,6 @@ def _validate_algo(cfg: Config) -> None:
     if a.is_correction_gating != "ratio" and a.is_correction_level != "off" and threshold[0] > 0:
         raise ConfigError(f"--algo.advantage.is_correction_gating {a.is_correction_gating} is bounded from above "
                           "only: give --algo.advantage.is_correction_threshold HIGH")
-    if cfg.rollout.top_p < 1:
-        users = [flag for flag, on in (
-            (f"--algo.advantage.is_correction_level {a.is_correction_level}", a.is_correction_level != "off"),
-            ("--actor.proximal_policy rollout", cfg.actor.proximal_policy == "rollout")) if on]
-        if users:
-            raise ConfigError(f"--rollout.top_p {cfg.rollout.top_p:g} with {' and '.join(users)}: vLLM's log-probs are "
-                              "of the top-p-truncated distribution and the trainer's of the whole one, so every "
-                              "token's ratio would be off by its nucleus mass; use --rollout.top_p 1 (DAPO's and "
-                              "OpenRLHF's scripts do) or drop the flag")
     low_high = cfg.actor.eps_clip_low_high
     if low_high and cfg.actor.eps_clip != 0.2:
         raise ConfigError(f"--actor.eps_clip {cfg.actor.eps_clip} is overridden by --actor.eps_clip_low_high "

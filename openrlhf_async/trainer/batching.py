@@ -119,14 +119,15 @@ def _plain_head(model) -> bool:
             and getattr(config, "logits_scaling", 1.0) in (None, 1.0))
 
 
-def _logprobs_of_logits(logits, targets, temperature: float, entropy: bool) -> tuple:
-    """(the targets' log-probs,) and, with entropy, the distributions' entropies too."""
-    picked = token_logprobs(logits, targets, temperature)
+def _logprobs_of_logits(logits, targets, temperature: float, entropy: bool, top_p: float = 1.0) -> tuple:
+    """(the targets' log-probs,) and, with entropy, the distributions' entropies too (of the whole distribution)."""
+    picked = token_logprobs(logits, targets, temperature, top_p)
     return (picked, token_entropy(logits, temperature)) if entropy else (picked,)
 
 
 @contextmanager
-def _head_yields_logprobs(head: torch.nn.Linear, targets, temperature: float, chunk: int, entropy: bool):
+def _head_yields_logprobs(head: torch.nn.Linear, targets, temperature: float, chunk: int, entropy: bool,
+                          top_p: float = 1.0):
     """For one forward pass, the output layer returns [R, L, 1 or 2]: each position's target log-prob (and
     entropy), from the logits of `chunk` positions at a time, recomputed in the backward pass rather than kept.
     It stays the layer's own forward, so ZeRO-3 gathers its (possibly tied) weight around it and the backward, as
@@ -137,7 +138,7 @@ def _head_yields_logprobs(head: torch.nn.Linear, targets, temperature: float, ch
 
         def piece(h, t):
             return _logprobs_of_logits(torch.nn.functional.linear(h, head.weight, head.bias), t, temperature,
-                                       entropy)
+                                       entropy, top_p)
 
         parts = []
         for k in range(0, len(flat_targets), chunk):
@@ -153,9 +154,11 @@ def _head_yields_logprobs(head: torch.nn.Linear, targets, temperature: float, ch
         del head.forward
 
 
-def target_logprobs(model, layout: Layout, temperature: float, chunk: int = 0, entropy: bool = False):
+def target_logprobs(model, layout: Layout, temperature: float, chunk: int = 0, entropy: bool = False,
+                    top_p: float = 1.0):
     """Log-probs of each sample's next tokens under `model` (an HF causal LM, or a DeepSpeed engine around one), one
-    right-padded row per sample ([B, T]), and their distributions' entropies (None unless asked).
+    right-padded row per sample ([B, T]), and their distributions' entropies (None unless asked). top_p < 1: of the
+    nucleus distribution the rollout sampled from (losses.top_p_logits).
 
     chunk > 0: the logits of `chunk` positions at a time, so that a micro batch never holds its whole
     vocabulary-wide fp32 logits (at 8B, about 2 MB per token)."""
@@ -165,11 +168,11 @@ def target_logprobs(model, layout: Layout, temperature: float, chunk: int = 0, e
                   use_cache=False)
     targets = layout.ids[:, 1:]
     if chunk <= 0 or not _plain_head(module):
-        out = _logprobs_of_logits(model(**inputs).logits[:, :-1], targets, temperature, entropy)
+        out = _logprobs_of_logits(model(**inputs).logits[:, :-1], targets, temperature, entropy, top_p)
     else:
         # The last position predicts nothing here: a stand-in target, dropped below.
         padded = torch.nn.functional.pad(targets, (0, 1))
-        with _head_yields_logprobs(module.get_output_embeddings(), padded, temperature, chunk, entropy):
+        with _head_yields_logprobs(module.get_output_embeddings(), padded, temperature, chunk, entropy, top_p):
             columns = model(**inputs).logits[:, :-1]
         out = columns.unbind(-1)
     return layout.per_sample(out[0]), (layout.per_sample(out[1]) if entropy else None)

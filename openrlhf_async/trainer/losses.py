@@ -51,10 +51,30 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "group_norm", no_st
     return adv.to(rewards.dtype)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each next token: logits [B, T, V] predict tokens [B, T]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token: logits [B, T, V] predict tokens [B, T]. top_p < 1: under the nucleus
+    distribution vLLM samples from and reports log-probs of (top_p_logits), renormalised over its kept tokens."""
+    scaled = logits.float() / temperature
+    if top_p < 1:
+        scaled = top_p_logits(scaled, top_p, tokens)
+    logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def top_p_logits(logits: torch.Tensor, top_p: float, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] with the tokens outside each position's nucleus at -inf, by vLLM's rule (its sampler's
+    top-p): in ascending order of probability, the tokens whose cumulative probability stays at or below 1 - top_p
+    are dropped, the most likely one never. The chosen token (tokens [...]) is always kept: vLLM sampled it from its
+    own nucleus, which the trainer's logits, rounded apart, could place a hair outside. The choice of the set is not
+    differentiated; the kept logits are."""
+    with torch.no_grad():
+        ascending, order = logits.sort(dim=-1)
+        dropped = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        dropped[..., -1] = False
+        outside = torch.zeros_like(dropped).scatter_(-1, order, dropped)
+        outside.scatter_(-1, tokens.unsqueeze(-1), False)
+    return logits.masked_fill(outside, float("-inf"))
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

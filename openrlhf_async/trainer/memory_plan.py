@@ -105,6 +105,7 @@ class Setup:
     colocated_train: int = 0
     colocated_kept: int = 0
     bucket_bytes: int = 64 << 20  # --train.weight_sync_bucket_mb
+    top_p: float = 1.0  # --rollout.top_p: the policy's log-probs are of the nucleus distribution
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -128,7 +129,8 @@ def setup_of(cfg) -> Setup:
                  engine_sleep=cfg.vllm.enable_sleep, cuda_graphs=not cfg.vllm.enforce_eager,
                  trainer_sleep=cfg.ds.enable_sleep,
                  lora_rank=cfg.ds.lora_rank,
-                 lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20)
+                 lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
+                 top_p=cfg.rollout.top_p)
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:
@@ -139,10 +141,12 @@ def layer_activation_bytes(m: ModelShape, b: int) -> int:
     return 2 * (8 * m.hidden + b * m.hidden) + b * (5 * q + 4 * kv + 2 * q + 4 * m.intermediate)
 
 
-def logits_bytes(m: ModelShape, positions: int, b: int, backward: bool) -> int:
+def logits_bytes(m: ModelShape, positions: int, b: int, backward: bool, nucleus: bool = False) -> int:
     """The vocabulary-wide logits of `positions` positions: as computed (b bytes), in fp32 (a copy when b < 4),
-    divided by the temperature and log-softmaxed; the backward pass adds two fp32 gradients of them."""
-    per_logit = b + (4 if b < 4 else 0) + 8 + (8 if backward else 0)
+    divided by the temperature and log-softmaxed; the backward pass adds two fp32 gradients of them. nucleus
+    (--rollout.top_p < 1): the set is chosen from a sorted copy (fp32), its order (int64) and their cumulative
+    probabilities (fp32), and the logits outside it masked (another fp32 copy)."""
+    per_logit = b + (4 if b < 4 else 0) + 8 + (8 if backward else 0) + (20 if nucleus else 0)
     return positions * m.vocab * per_logit
 
 
@@ -178,10 +182,10 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
     # Checkpointing keeps each layer's input and recomputes one layer at a time in the backward pass.
     kept = T * m.layers * (b * m.hidden if s.checkpointing else layer)
     activations = kept + T * layer + T * 4 * b * m.hidden  # + one layer's backward working set, embeddings, norm
-    logits = logits_bytes(m, min(s.chunk, T) if s.chunk else T, b, backward=True)
+    logits = logits_bytes(m, min(s.chunk, T) if s.chunk else T, b, backward=True, nucleus=s.top_p < 1)
     # A log-prob pass keeps no activations: one layer's at a time, and its logits (chunked alike).
     logprob_pass = s.logprob_tokens * b * (4 * m.hidden + 2 * m.intermediate) + logits_bytes(
-        m, min(s.chunk, s.logprob_tokens) if s.chunk else s.logprob_tokens, b, backward=False)
+        m, min(s.chunk, s.logprob_tokens) if s.chunk else s.logprob_tokens, b, backward=False, nucleus=s.top_p < 1)
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
              "reference": reference, "activations": activations, "attention_mask": mask_bytes(s, T),
              "logits": logits}

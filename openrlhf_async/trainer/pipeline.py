@@ -394,7 +394,7 @@ class TrainingActor:
         with self.timeline.span("critic"):
             values = self.critic.values(samples)
         samples = self.policy.with_reference(samples, temperature, self.kl.value)
-        olds = self.policy.logprobs(samples, temperature)
+        olds = self.policy.logprobs(samples, temperature, top_p=self.cfg.rollout.top_p)
         samples, kl = experience.gae_samples(samples, part_rewards, values, olds, self.cfg.algo, self.kl.value,
                                              self.cfg.reward.clip_range)
         stats = {"rollout/kl": kl}

@@ -85,11 +85,12 @@ class PolicyActor(DeepSpeedRank):
 
     # ---- training ----------------------------------------------------------------------------------------------
 
-    def _logprobs(self, model, samples: list, temperature: float, layout: dict, entropy: bool = False):
+    def _logprobs(self, model, samples: list, temperature: float, layout: dict, entropy: bool = False,
+                  top_p: float = 1.0):
         """[B, T] log-probs (and entropies) of one forward pass over samples, laid out as layout says (packing,
-        chunk: see batching_settings)."""
+        chunk: see batching_settings); top_p < 1: of the rollout's nucleus distribution."""
         inputs = Layout.of(samples, layout["packing"]).to(self._device())
-        return target_logprobs(model, inputs, temperature, layout["chunk"], entropy)
+        return target_logprobs(model, inputs, temperature, layout["chunk"], entropy, top_p)
 
     def train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
         """One optimizer step over this rank's micro batches (lists of samples; an empty one stands in where the
@@ -112,7 +113,7 @@ class PolicyActor(DeepSpeedRank):
             rows = self._targets(micro)
             mask, adv = rows["mask"], rows["advantage"]
             logp, entropy = self._logprobs(self.engine, micro, loss_cfg["temperature"], layout,
-                                           entropy=loss_cfg["entropy_coef"] is not None)
+                                           entropy=loss_cfg["entropy_coef"] is not None, top_p=loss_cfg["top_p"])
             # The proximal policy (pi_old) the ratio is clipped against: the policy before the batch's first update
             # (recomputed, or the rollout's), or with a single update the current one (ratio 1, the clip idle).
             old_logp = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"]
@@ -144,16 +145,18 @@ class PolicyActor(DeepSpeedRank):
         return {**figures, "tokens": tokens, "grad_norm": grad_norm, "lr": lr}
 
     @torch.no_grad()
-    def logprobs(self, micro_batches: list, temperature: float, layout: dict, reference: bool = False) -> list:
+    def logprobs(self, micro_batches: list, temperature: float, layout: dict, reference: bool = False,
+                 top_p: float = 1.0) -> list:
         """Each sample's log-probs at its response positions (observations too) under the current weights, or the
-        reference model's; per micro batch, a list per sample. Every rank runs as many micro batches (ZeRO-3)."""
+        reference model's; per micro batch, a list per sample. Every rank runs as many micro batches (ZeRO-3).
+        top_p < 1: the policy's of the rollout's nucleus distribution (the reference's stay whole)."""
         model = self.reference if reference and not self.lora else self.engine
         adapter_off = self.engine.module.disable_adapter() if reference and self.lora else contextlib.nullcontext()
         with self.timeline.span("train"), adapter_off:
             model.eval()
             out = []
             for micro in micro_batches:
-                logp, _ = self._logprobs(model, micro or [EMPTY_SAMPLE], temperature, layout)
+                logp, _ = self._logprobs(model, micro or [EMPTY_SAMPLE], temperature, layout, top_p=top_p)
                 out.append([logp[i, len(s["prompt_ids"]) - 1 : sample_length(s) - 1].tolist()
                             for i, s in enumerate(micro)])
             return out

@@ -173,10 +173,11 @@ class PolicyGroup(RankGroup):
         return dict(backend=cfg.backend, ds=ds_settings(cfg), seed=cfg.train.seed,
                     reference=cfg.algo.kl_init_coef > 0, optim=optimizer_settings(cfg), model=model_settings(cfg))
 
-    def logprobs(self, samples: list, temperature: float, reference: bool = False) -> list:
+    def logprobs(self, samples: list, temperature: float, reference: bool = False, top_p: float = 1.0) -> list:
         """Each sample's log-probs at its response positions under the current weights (or the reference model's),
-        in passes of --rollout.micro_batch_size samples or --rollout.max_tokens_per_gpu tokens."""
-        return self._per_sample(samples, "logprobs", temperature, self.batching, reference)
+        in passes of --rollout.micro_batch_size samples or --rollout.max_tokens_per_gpu tokens; top_p < 1: of the
+        rollout's nucleus distribution."""
+        return self._per_sample(samples, "logprobs", temperature, self.batching, reference, top_p)
 
     def with_reference(self, samples: list, temperature: float, kl_coef: float) -> list:
         """The samples with the reference model's log-probs ("ref_logprobs") where the KL has a coefficient, computed
@@ -200,7 +201,7 @@ class PolicyGroup(RankGroup):
         if loss_cfg["proximal"] == "rollout":
             samples = [{**s, "old_logprobs": s["logprobs"]} for s in samples]
         elif updates > 1 and not all("old_logprobs" in s for s in samples):  # gae's come with them
-            olds = self.logprobs(samples, loss_cfg["temperature"])
+            olds = self.logprobs(samples, loss_cfg["temperature"], top_p=loss_cfg["top_p"])
             samples = [{**s, "old_logprobs": old} for s, old in zip(samples, olds)]
         results = self._updates(samples, micro_batch_size, loss_cfg, mini_batch_size, epochs, seed)
         figures = {key: sum(r[key] for r in results) / len(results) for key in results[0] if key != "tokens"}
@@ -282,7 +283,7 @@ def loss_settings(cfg, **overrides) -> dict:
     a, algo = cfg.actor, cfg.algo
     settings = {
         "proximal": a.proximal_policy, "clip": a.clip_range, "dual_clip": a.dual_clip, "loss_type": a.policy_loss_type, "agg": a.loss_agg_mode,
-        "entropy_coef": a.entropy_coef, "temperature": cfg.rollout.temperature,
+        "entropy_coef": a.entropy_coef, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
         "correction": {"level": algo.is_correction_level, "mode": algo.is_correction_mode,
                        "gating": algo.is_correction_gating, "threshold": tuple(algo.is_correction_threshold)},
         "kl": {"coef": algo.kl_init_coef, "use_loss": algo.kl_use_loss, "estimator": algo.kl_estimator,
