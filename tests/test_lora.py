@@ -117,6 +117,48 @@ def test_a_bf16_merge_keeps_an_adapters_updates_below_half_an_ulp_in_expectation
     assert torch.equal(source_value([weight.float(), a, b], 1.0), weight.float() + b @ a), "fp32 is merged exactly"
 
 
+@pytest.mark.parametrize("case", ["lost", "healthy", "too_early_to_tell"])
+def test_the_sync_check_finds_an_engine_without_the_adapter_even_below_its_tolerance(monkeypatch, case):
+    """The probe's log-probs from an engine that lost the adapter sit at the base model's, however small the
+    adapter's effect beside the absolute tolerance (an adapter's first steps): four times nearer the base than the
+    trained policy, it stops the run; kernels that round apart (1e-6 here) neither stop a healthy engine nor, with
+    an adapter that has not moved yet, tell anything."""
+    from openrlhf_async.trainer import weight_sync
+    from openrlhf_async.trainer.weight_sync import SyncCheckFailed, WeightSync
+
+    effect = {"lost": 3e-4, "healthy": 3e-4, "too_early_to_tell": 1e-6}[case]
+    base, noise = [-2.0, -1.5, -0.7], 1e-6
+    trained = [v + effect for v in base]
+    engine = [v + noise for v in (base if case == "lost" else trained)]
+
+    class Call:
+        def __init__(self, result):
+            self.result = result
+
+        def remote(self, *args):
+            return self.result
+
+    class Engine:
+        generate = Call({"response_ids": [1, 2, 3], "logprobs": engine, "token_versions": [4, 4, 4]})
+
+    class Policy:
+        @staticmethod
+        def call(method, outs, temperature=1.0, adapter=True):
+            return [[{"logprobs": trained if adapter else base} for _ in outs]]
+
+    monkeypatch.setattr(weight_sync, "get_all", lambda refs, timeout_s=None: refs)
+    sync = object.__new__(WeightSync)
+    sync.policy, sync.probe, sync.tolerance, sync.timeout = Policy(), [[5, 6], [7]], 1e-3, 1.0
+    if case == "lost":
+        with pytest.raises(SyncCheckFailed) as e:
+            sync.check_engines({0: Engine()}, 4)
+        assert str(e.value).startswith("weight sync check: engine 0 runs the base model without the adapter after "
+                                       "version 4"), str(e.value)
+    else:
+        sync.check_engines({0: Engine()}, 4)
+        assert sync.probe_diff < sync.tolerance
+
+
 # ---- on the session's engines and a LoRA policy of 2 ZeRO-3 ranks --------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -116,8 +116,21 @@ class WeightSync:
 
         per = len(self.probe)
         diffs = {i: furthest(outs[k * per:(k + 1) * per], trainer[k * per:(k + 1) * per]) for k, i in enumerate(ids)}
+        from_base = {i: furthest(outs[k * per:(k + 1) * per], base[k * per:(k + 1) * per]) for k, i in enumerate(ids)}
         self.probe_diff = max(diffs.values())
         self.probe_adapter_effect = furthest(trainer, base)
+        # An engine four times nearer the base model than the trained policy runs without the adapter, however small
+        # both distances are beside the tolerance (an adapter's first steps): kernels that round apart scatter an
+        # engine's log-probs around the policy it runs, and the base's lie the adapter's effect away from the
+        # trained policy's; only an adapter that moved the probe by a few times the rounding can be told apart.
+        lost = [i for i in ids if 4 * from_base[i] < diffs[i]]
+        if lost:
+            i = lost[0]
+            raise SyncCheckFailed(
+                f"weight sync check: engine {i} runs the base model without the adapter after version {version}: its "
+                f"probe's log-probs lie {from_base[i]:.3g} from the base's and {diffs[i]:.3g} from the trained "
+                f"policy's (the adapter moves them by {self.probe_adapter_effect:.3g}): the engines do not run the "
+                "trained weights")
         stale = [i for k, i in enumerate(ids) if any(v != version for out in outs[k * per:(k + 1) * per]
                                                      for v in out["token_versions"])]
         worst = max(diffs, key=diffs.get)
