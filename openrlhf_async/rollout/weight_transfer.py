@@ -13,8 +13,9 @@ takes the store's default 300 s, which its init info cannot change. 0.32 added
 (pynccl.py:250-266), but as an RPC to the worker it runs only once a hung broadcast has returned: a dead trainer or
 peer still hangs the worker for ever. This engine bounds
 each broadcast and checks its completion on both sides (sync_group.SyncGroup), aborts a failed group before another
-forms, and is the same on every vLLM this project runs on (0.26 to 0.32: rollout/vllm_compat.py). vLLM's `ipc`
-engine is used as it is (the hybrid engine on cuda)."""
+forms, and is the same on every vLLM this project runs on (0.26 to 0.32: rollout/vllm_compat.py). The hybrid engine
+on cuda takes CUDA IPC handles through it too ("ipc"), in the form of vLLM's own `ipc` engine, whose module imports
+Ray in 0.26 (ipc_engine.py:11), which a single engine on a GPU machine need not have."""
 
 from dataclasses import dataclass
 
@@ -41,9 +42,10 @@ def register() -> None:
 
 @dataclass
 class BroadcastInitInfo(WeightTransferInitInfo):
-    """How the weights travel: "broadcast", over the group (rank 0, the trainer, serves the rendezvous), or "shm",
+    """How the weights travel: "broadcast", over the group (rank 0, the trainer, serves the rendezvous); "shm",
     through a shared-memory file the trainer rank on this engine's devices writes a bucket at a time (the hybrid
-    engine on cpu)."""
+    engine on cpu); or "ipc", as CUDA IPC handles of the copies the trainer ranks on this engine's GPUs make of each
+    bucket (the hybrid engine on cuda)."""
 
     transport: str = "broadcast"
     master_address: str = ""
@@ -63,6 +65,7 @@ class BroadcastUpdateInfo(WeightTransferUpdateInfo):
     names: list
     dtype_names: list
     shapes: list
+    ipc_handles: list = None  # ipc: per parameter, {GPU UUID: torch's rebuild_cuda_tensor arguments}
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
@@ -73,12 +76,16 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         super().__init__(config, vllm_config, device, model)
         self.group, self.bucket_bytes = None, None
         self.shared = None  # shm: the trainer's file, mapped as bytes
+        self.ipc = False  # the weights come as CUDA IPC handles
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         if self.group is not None:  # a group of earlier members: aborted before another is formed
             self.group.close()
             self.group = None
         self.shared, self.bucket_bytes = None, init_info.bucket_bytes
+        self.ipc = init_info.transport == "ipc"
+        if self.ipc:
+            return
         if init_info.transport == "shm":
             self.shared = torch.from_file(init_info.path, shared=True, size=init_info.bucket_bytes, dtype=torch.uint8)
             return
@@ -113,6 +120,9 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         if self.shared is not None:
             self._load_shared(update_info)
             return
+        if self.ipc:
+            self._load_ipc(update_info)
+            return
         if self.group is None:
             raise RuntimeError("the weight-sync group was never formed: init_weight_transfer_engine first")
         named = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
@@ -141,6 +151,25 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         # Cloned: the layerwise reload keeps a layer's tensors until the layer is complete, and the trainer writes
         # the next bucket over this one as soon as this call returns.
         self.model.load_weights((name, t.to(self.device, copy=True)) for name, t in unflatten(flat, named))
+
+    def _load_ipc(self, update_info: BroadcastUpdateInfo) -> None:
+        """Each parameter from the handle of this worker's GPU (the trainer ranks send one per GPU, by its UUID),
+        rebuilt on this worker's device, loaded; the copies it maps are the trainer's until this call returns, and
+        CUDA IPC keeps alive what the layerwise reload still references after (a module not seen whole)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        weights = []
+        for name, handles in zip(update_info.names, update_info.ipc_handles or []):
+            if uuid not in handles:
+                raise ValueError(f"weight update: no CUDA IPC handle of {name} for this worker's GPU {uuid} (handles "
+                                 f"for {sorted(handles)}): the trainer rank on this GPU did not share it")
+            args = list(handles[uuid])
+            args[6] = index  # the sender's device index (rebuild_cuda_tensor's 7th argument): this worker's here
+            weights.append((name, rebuild_cuda_tensor(*args)))
+        self.model.load_weights(weights)
+        synchronize(self.device)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

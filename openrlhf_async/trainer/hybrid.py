@@ -9,9 +9,10 @@ and forth in one order, so that the engines' and the trainer's full states are n
 (--vllm.enable_sleep: vLLM's sleep, level 1; --ds.enable_sleep: DeepSpeed's offload_states/reload_states.)
 
 The weights go through vLLM's weight-transfer API as in the split layout, from the rank on each engine's devices
-rather than over a group: on cpu this project's engine (rollout/weight_transfer.py) with its "shm" transport, a
-shared-memory file per such rank that it writes a bucket at a time and its engine maps; on cuda vLLM's own "ipc"
-engine, the rank's CUDA IPC handles per parameter (written to vLLM's format, not run here: no GPU in CI). Either way
+rather than over a group, through this project's engine (rollout/weight_transfer.py): on cpu its "shm" transport, a
+shared-memory file per such rank that it writes a bucket at a time and its engine maps; on cuda its "ipc" transport,
+the rank's CUDA IPC handles per parameter, each bucket's copies dropped once the engines loaded it (not run here: no
+GPU in CI; benchmarks/gpu_e2e.py runs it on one). Either way
 every rank gathers each bucket (a ZeRO-3 collective), the version moves at finish only, after the last bucket, and
 an engine that fails or hangs on the way is dropped (the fleet restarts one in its bundles) with the transfer made
 again to the others."""
@@ -153,7 +154,7 @@ class HybridWeightSync(WeightSync):
             self.bundles = {i: tuple(range(i * self.tp, (i + 1) * self.tp)) for i in members}
         ranks = self.policy.actors
         if self.cuda:
-            infos = {i: {"packed": False} for i in members}
+            infos = {i: {"transport": "ipc"} for i in members}
         else:
             size = max(_bucket_bytes(b) for b in self.buckets)
             owners = sorted({self.bundles[i][0] for i in members})
