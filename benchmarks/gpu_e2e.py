@@ -138,6 +138,8 @@ def config_of(args, model: str):
              "--train.weight_sync_bucket_mb", str(args.bucket_mb)]
     if args.device == "cpu":
         flags += ["--vllm.cpu_kvcache_space_gib", "1"]
+    if not args.cuda_graphs:  # as OpenRLHF's hybrid scripts run; capturing them costs a GPU minute
+        flags += ["--vllm.enforce_eager"]
     return validate(parse_config(flags))
 
 
@@ -338,6 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="large enough that every step moves the log-probs")
     ap.add_argument("--bucket_mb", type=int, default=256, help="--train.weight_sync_bucket_mb")
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.3)
+    ap.add_argument("--cuda_graphs", action="store_true", help="vLLM with CUDA graphs (default: eager, as OpenRLHF's "
+                                                               "hybrid scripts run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kit", default="wheels/e2e", help="the pieces of `make gpu-e2e-kit` brought here")
     ap.add_argument("--kit_dest", default=KIT_DEST, help="where the pieces gather across commands")
