@@ -88,7 +88,7 @@ VLLM_REQUIRES = from importlib.metadata import requires; from packaging.requirem
   if not r.name.startswith("torch") and (r.marker is None or r.marker.evaluate({"extra": ""}))))
 VLLM_TESTS = tests/test_engine.py tests/test_weight_sync.py tests/test_engine_faults.py tests/test_seeded_sampling.py \
   tests/test_stop_tokens.py tests/test_openai_agents.py tests/test_endpoint_guard.py tests/test_hybrid.py \
-  tests/test_rollout.py tests/test_lora.py tests/test_real_model.py tests/test_vllm_compat.py
+  tests/test_rollout.py tests/test_lora.py tests/test_real_model.py tests/test_vllm_compat.py tests/test_gpu_e2e.py
 test-vllm: $(SMOLLM2_GGUF)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
