@@ -5,9 +5,9 @@ core in a process of its own) share the device, and each step runs the hybrid en
     generate -> sleep -> reload -> train -> offload -> wake weights -> transfer -> wake kv_cache -> generate
 
 The transfer is the run's own, through this project's weight-transfer engine (rollout/weight_transfer.py): on cuda the
-rank's CUDA IPC handles (WeightExport.share_bucket, then release_shared), on cpu the shared-memory file. The model is randomly initialised in
-a real shape (Qwen2.5-0.5B's and Qwen2.5-1.5B's configurations on cuda, a small one on cpu), the same weights for
-the trainer and the engine.
+rank's CUDA IPC handles (WeightExport.share_bucket, then release_shared), on cpu the shared-memory file. The model is
+randomly initialised in a real shape (Qwen2.5-0.5B's and Qwen2.5-1.5B's configurations on cuda, a small one on cpu),
+the same weights for the trainer and the engine.
 
 After each transfer the engine's greedy continuations of a few prompts are scored by the trainer: its log-probs of
 vLLM's tokens must agree with vLLM's within a tolerance derived from the dtype (logprob_tolerance), vLLM's tokens

@@ -256,7 +256,7 @@ def test_tensor_parallel_engines_take_bundles_of_one_node_whatever_order_ray_pla
     assert placed == [(0, 2), (4, 5), (1, 3), (6, 7)]
     assert all(len({nodes[b] for b in bundles}) == 1 for bundles in placed)
     assert hybrid_engine_bundles({i: "a" for i in range(4)}, 1, 4) == [(0,), (1,), (2,), (3,)]
-    with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: Ray placed the trainer's bundles 3, 1 a node"):
+    with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: Ray placed the trainer's bundles 3, 1 a "):
         hybrid_engine_bundles({0: "a", 1: "a", 2: "a", 3: "b"}, 2, 2)
     cfg = preset_config(*HYBRID, "--device", "cuda", "--vllm.tensor_parallel_size", "2", "--plan.device_memory_gb",
                         "80", validated=False)
@@ -608,7 +608,8 @@ def test_the_memory_plan_counts_the_ipc_copies_a_rank_holds_in_the_transfer():
     from openrlhf_async.trainer import memory_plan
 
     cfg = preset_config(*HYBRID, "--plan.device_memory_gb", "80", "--ds.param_dtype", "bf16",
-                        "--actor.gradient_checkpointing_enable", "--train.micro_batch_size", "1", "--vllm.enforce_eager")
+                        "--actor.gradient_checkpointing_enable", "--train.micro_batch_size", "1",
+                        "--vllm.enforce_eager")
     cfg.device, cfg.actor.model_name_or_path = "cuda", os.path.join(MODEL_CONFIGS, "DeepSeek-R1-Distill-Qwen-1.5B")
     plan = memory_plan.for_config(cfg)
     phases, engine = plan["hybrid"], plan["vllm_engine"]

@@ -62,7 +62,8 @@ def test_the_installed_vllm_is_in_range_keeps_weight_versions_from_0_27_and_serv
 def test_the_hybrid_engines_ipc_transport_is_this_projects_engine_on_every_release():
     """On cuda the hybrid engine's CUDA IPC handles go through this project's weight-transfer engine, whatever the
     release: vLLM 0.26's own ipc engine imports Ray at its top (ipc_engine.py:11), which the GPU machines lack."""
-    from openrlhf_async.rollout.weight_transfer import BroadcastInitInfo, BroadcastUpdateInfo, BroadcastWeightTransferEngine
+    from openrlhf_async.rollout.weight_transfer import (BroadcastInitInfo, BroadcastUpdateInfo,
+                                                        BroadcastWeightTransferEngine)
 
     assert BroadcastInitInfo(transport="ipc").transport == "ipc"
     engine = object.__new__(BroadcastWeightTransferEngine)

@@ -311,8 +311,8 @@ def refusal(p: dict, m: ModelShape, s: Setup, dynamic: bool, longest: int):
         phase = max(("generate", "train", "transfer"), key=shared.get)
         fixes = {"generate": "--ds.enable_sleep, or a lower --vllm.gpu_memory_utilization",
                  "train": "--vllm.enable_sleep",
-                 "transfer": "a smaller --train.weight_sync_bucket_mb or a larger device (each GPU holds the copies its "
-                             "engine reads)"}[phase]
+                 "transfer": "a smaller --train.weight_sync_bucket_mb or a larger device (each GPU holds the "
+                             "copies its engine reads)"}[phase]
         if phase == "train" and s.engine_sleep:
             fixes = "a lower --vllm.gpu_memory_utilization"
         return (f"memory plan: the hybrid engine's {phase} phase needs {shared['peak'] / GB:.1f} GB of "
