@@ -128,7 +128,7 @@ gpu-wheels: install
 # the device's memory beside the memory plan's; one JSON line (exit 1 where a check fails). On CPU the same harness
 # runs on vLLM's CPU build (tests/test_gpu_e2e.py). A GPU machine without vLLM and DeepSpeed takes them from the
 # kit: `make gpu-e2e-kit` fills $(KIT) here (vLLM 0.26.0, the release for its torch 2.11, what it imports for one
-# engine, DeepSpeed; about 330 MiB in pieces of 56 MiB, git-ignored), then on the GPU machine, back to back (what it
+# engine, DeepSpeed; 363 MiB in pieces of 56 MiB, git-ignored), then on the GPU machine, back to back (what it
 # stages stays only while it is warm), `make gpu-e2e-stage` with each piece but the last carried (with
 # $(KIT)/manifest.json), and `make gpu-e2e` with the last: docs/BENCHMARKS.md (make gpu-e2e) has the calls.
 KIT ?= wheels/e2e

@@ -24,10 +24,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Published config.json values (Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-7B); "tiny" is the CPU stand-in (head_dim 64).
+# Published config.json values (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-7B); "tiny" is the CPU stand-in
+# (head_dim 64). benchmarks/gpu_e2e.py builds its models from the same table.
 SHAPES = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  intermediate_size=256, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,

@@ -33,16 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Published config.json values (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B); "tiny" is the CPU stand-in.
-SHAPES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=256, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=True),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True),
-}
-COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=4096)
+from benchmarks.gpu_check import COMMON, SHAPES  # noqa: E402 (the shapes make gpu-check runs: one table)
+
 # Unit roundoff of the dtype the activations are stored in, and of fp32 (the accumulations of every matmul).
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 KIT_DEST = "/tmp/openrlhf_async-kit"  # outside the repository's copy: what stays on a GPU machine while it is warm
@@ -195,13 +187,13 @@ class Harness:
             optim=optimizer_settings(cfg), model=model_settings(cfg), seed=cfg.train.seed))
         self.timed(started, "offload", self.actor.offload_states)
         self.timed(started, "wake", lambda: self.run(self.engine.wake_up(None)))
-        from openrlhf_async.rollout.sync_group import plan_buckets
+        from openrlhf_async.rollout.sync_group import bytes_of, plan_buckets
 
         self.buckets = plan_buckets(self.actor.named_shapes(), cfg.train.weight_sync_bucket_mb << 20)
         if cfg.device == "cuda":
             self.run(self.engine.init_weight_transfer({"transport": "ipc"}))
         else:
-            size = max(sum(_numel(s) * _itemsize(d) for _, d, s in b) for b in self.buckets)
+            size = max(bytes_of(b) for b in self.buckets)
             path = self.actor.open_weight_file(size)
             self.run(self.engine.init_weight_transfer({"transport": "shm", "path": path, "bucket_bytes": size}))
             self.actor.unlink_weight_file()
@@ -314,19 +306,6 @@ class Harness:
         s["train"].update(trained)
         s["transfer"].update(sent)
         return s
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    from openrlhf_async.rollout.sync_group import DTYPES
-
-    return DTYPES[dtype].itemsize
 
 
 def main(argv=None) -> int:

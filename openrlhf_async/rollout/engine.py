@@ -54,8 +54,9 @@ class LLMRayActorAsync:
         vllm_compat.check_release()  # this node's vLLM: the driver checked its own
 
         self.timeline = Timeline(f"engine {engine_index}")
-        if memory_wait_s(vllm, hybrid):
-            wait_for_device_memory(vllm.gpu_memory_utilization, memory_wait_s(vllm, hybrid))
+        wait_s = memory_wait_s(vllm, hybrid)
+        if wait_s:
+            wait_for_device_memory(vllm.gpu_memory_utilization, wait_s)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=use_fast_tokenizer)
         args = AsyncEngineArgs(
             model=model_path,

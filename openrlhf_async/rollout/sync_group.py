@@ -21,7 +21,7 @@ def plan_buckets(named_shapes: list, bucket_bytes: int) -> list:
     bucket_bytes is a bucket of its own."""
     buckets, current, size = [], [], 0
     for unit in _layers(named_shapes):
-        dtype, nbytes = unit[0][1], sum(_nbytes(d, s) for _, d, s in unit)
+        dtype, nbytes = unit[0][1], bytes_of(unit)
         if current and (size + nbytes > bucket_bytes or current[0][1] != dtype):
             buckets.append(current)
             current, size = [], 0
@@ -46,8 +46,9 @@ def _layers(named_shapes: list) -> list:
     return units
 
 
-def _nbytes(dtype: str, shape) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size() * math.prod(shape)
+def bytes_of(bucket: list) -> int:
+    """The bytes of [(name, dtype, shape)]'s weights."""
+    return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in bucket)
 
 
 def unflatten(buffer: torch.Tensor, bucket: list):

@@ -20,6 +20,7 @@ again to the others."""
 import time
 
 from openrlhf_async.rollout.engine import submit
+from openrlhf_async.rollout.sync_group import bytes_of
 from openrlhf_async.trainer.weight_sync import WeightSync, _outcomes
 from openrlhf_async.utils.ray_utils import get_all
 
@@ -67,12 +68,9 @@ class HybridWeightSync(WeightSync):
             self._ranks("offload_states")
             self.calls.append("offload")
         if self.sleeping:
-            sleepers = {**self.members, **self._joining()}
-            sleepers = {i: e for i, e in sleepers.items() if i in self.sleeping}
-            kept = self._keep(sleepers, self._call(sleepers, "wake_up", None))
-            self.members = {i: e for i, e in self.members.items() if i in kept or i not in sleepers}
+            woken = self._wake({**self.members, **self._joining()}, None, "wake")
+            self.members = {i: e for i, e in self.members.items() if i in woken}
             self.sleeping = set()
-            self.calls.append("wake")
 
     # ---- inside --------------------------------------------------------------------------------------------
 
@@ -107,22 +105,23 @@ class HybridWeightSync(WeightSync):
         if self.trainer_sleep:
             self._ranks("offload_states")
             self.calls.append("offload")
-        asleep = {i: e for i, e in members.items() if i in self.sleeping}
-        if asleep:
-            kept = self._keep(asleep, self._call(asleep, "wake_up", ["weights"]))
-            members = {i: e for i, e in members.items() if i in kept or i not in asleep}
-            self.calls.append("wake weights")
-        return members
+        return self._wake(members, ["weights"], "wake weights")
 
     def _after(self, members: dict) -> dict:
         """Every bucket arrived: the engines wake their KV cache."""
-        asleep = {i: e for i, e in members.items() if i in self.sleeping}
-        if asleep:
-            kept = self._keep(asleep, self._call(asleep, "wake_up", ["kv_cache"]))
-            members = {i: e for i, e in members.items() if i in kept or i not in asleep}
-            self.calls.append("wake kv_cache")
+        members = self._wake(members, ["kv_cache"], "wake kv_cache")
         self.sleeping = set()  # every sleeper was among the members, or was dropped
         return members
+
+    def _wake(self, members: dict, tags, record: str) -> dict:
+        """vLLM's wake_up(tags) (None: whole) on those of members that sleep, recorded in calls as record; returns
+        members less the woken ones that failed (dropped)."""
+        asleep = {i: e for i, e in members.items() if i in self.sleeping}
+        if not asleep:
+            return members
+        kept = self._keep(asleep, self._call(asleep, "wake_up", tags))
+        self.calls.append(record)
+        return {i: e for i, e in members.items() if i in kept or i not in asleep}
 
     def _await_starting(self) -> None:
         """Wait (up to START_WAIT_S) for the engines starting in the fleet's bundles: replacements of engines lost
@@ -144,8 +143,8 @@ class HybridWeightSync(WeightSync):
 
     def _connect(self, members: dict) -> dict:
         """Set up each engine's transfer: on cpu a new shared-memory file on the rank in its first bundle, mapped by
-        the engine and then unlinked (the mappings outlive the name: nothing is left in /dev/shm); on cuda vLLM's IPC
-        engine, unpacked. Returns the engines set up."""
+        the engine and then unlinked (the mappings outlive the name: nothing is left in /dev/shm); on cuda the ipc
+        transport (each bucket's handles come with its update). Returns the engines set up."""
         import ray
 
         if self.fleet is not None:
@@ -156,7 +155,7 @@ class HybridWeightSync(WeightSync):
         if self.cuda:
             infos = {i: {"transport": "ipc"} for i in members}
         else:
-            size = max(_bucket_bytes(b) for b in self.buckets)
+            size = max(bytes_of(b) for b in self.buckets)
             owners = sorted({self.bundles[i][0] for i in members})
             paths = dict(zip(owners, get_all([ranks[r].open_weight_file.remote(size) for r in owners])))
             infos = {i: {"transport": "shm", "path": paths[self.bundles[i][0]], "bucket_bytes": size} for i in members}
@@ -219,14 +218,6 @@ class HybridWeightSync(WeightSync):
 def _states(policy, critic, method: str) -> list:
     """offload_states / reload_states on the policy's ranks and the critic's: the object refs."""
     return policy.call(method) + (critic.call(method) if critic is not None else [])
-
-
-def _bucket_bytes(bucket: list) -> int:
-    import math
-
-    from openrlhf_async.rollout.sync_group import DTYPES
-
-    return sum(math.prod(shape) * DTYPES[dtype].itemsize for _, dtype, shape in bucket)
 
 
 def start_hybrid(cfg, model_path: str, group, fleet):

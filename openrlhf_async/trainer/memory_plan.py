@@ -127,8 +127,7 @@ def setup_of(cfg) -> Setup:
                  gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                  cpu_kvcache_gb=cfg.vllm.cpu_kvcache_space_gib, device=cfg.device, hybrid=cfg.hybrid,
                  engine_sleep=cfg.vllm.enable_sleep, cuda_graphs=not cfg.vllm.enforce_eager,
-                 trainer_sleep=cfg.ds.enable_sleep,
-                 lora_rank=cfg.ds.lora_rank,
+                 trainer_sleep=cfg.ds.enable_sleep, lora_rank=cfg.ds.lora_rank,
                  lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
                  top_p=cfg.rollout.top_p)
 
@@ -204,9 +203,13 @@ def engine_bytes(m: ModelShape, s: Setup, device_bytes) -> dict:
     if s.device == "cpu":
         return {"weights": int(weights), "total": int(weights + s.cpu_kvcache_gb * GB)}
     share = s.gpu_memory_utilization * device_bytes if device_bytes else None
-    graphs = CUDA_GRAPH_POOL if s.cuda_graphs else 0
     return {"weights": int(weights), "total": int(share) if share else None,
-            "kv_cache": int(share - weights - graphs) if share else None}
+            "kv_cache": int(share - weights - graph_pool_bytes(s)) if share else None}
+
+
+def graph_pool_bytes(s: Setup) -> int:
+    """An engine's CUDA-graph pool (none with --vllm.enforce_eager): in its share, and kept while it sleeps."""
+    return CUDA_GRAPH_POOL if s.cuda_graphs else 0
 
 
 def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
@@ -220,7 +223,7 @@ def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
     kept = rank["weights"] + rank["reference"] + s.colocated_kept + (
         0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
     awake = engine["total"] or 0
-    asleep = CUDA_GRAPH_POOL if s.cuda_graphs else 0
+    asleep = graph_pool_bytes(s)
     contexts = 2 * PROCESS_RESIDUAL
     phases = {"generate": awake + kept + contexts,
               "train": rank["total"] + (asleep if s.engine_sleep else awake) + contexts,
