@@ -90,6 +90,7 @@ class LLMRayActorAsync:
         self.groups: dict = {}  # group id -> request ids in flight
         self.aborted_groups: set = set()
         self.weight_version = 0
+        self.stale_next = False  # plant_sync_fault("stale")
         self.version_marks: dict = {}  # request id -> VersionMarks, while it runs
         self.tokens_finished = 0  # tokens of the requests that ended (progress() adds those running)
         self.model_path, self.engine_index, self.agent_cfg = model_path, engine_index, agent
@@ -280,21 +281,26 @@ class LLMRayActorAsync:
         await pausing
         return frozen
 
-    async def receive_weights(self, named_shapes: list, version: int) -> int:
+    async def receive_weights(self, named_shapes: list, version: int, sparse: bool = False) -> int:
         """Load the weights trainer rank 0 broadcasts, named_shapes [(name, dtype, shape)] in its order, through
         vLLM's update API (start_weight_update, update_weights, finish_weight_update with the version, which vLLM
         then holds), with generation paused (pause). Returns once every worker's device holds them all. Frozen
         requests' cached keys and values are dropped, so they continue wholly on the new weights, and the tokens
         they generate from here on carry the new version. If the broadcast fails the engine stays paused and keeps
         its old version: its weights may be half new, and only a complete broadcast (the trainer retries) may let
-        it generate again."""
+        it generate again. sparse: the broadcast carries patches of the elements that changed (the trainer's
+        weights' since the last sync, which this engine holds)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         names, dtypes, shapes = (list(column) for column in zip(*named_shapes))
+        stale, self.stale_next = self.stale_next, False
+        if stale:
+            await self.plant_sync_fault("skip_load")
+            version = self.weight_version
         with self.timeline.span("load"):  # as in the hybrid engine's start_weight_update .. finish_weight_update
             await self.engine.start_weight_update()
-            await self.engine.update_weights(WeightTransferUpdateRequest(
-                update_info={"names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes]}))
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info={
+                "names": names, "dtype_names": dtypes, "shapes": [list(s) for s in shapes], "sparse": sparse}))
             await vllm_compat.finish_weight_update(self.engine, version)
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._mark_versions(version)
@@ -348,6 +354,21 @@ class LLMRayActorAsync:
         self.weight_version = version
         self.timeline.end("load")
         return version
+
+    async def fingerprint(self) -> dict:
+        """The fingerprint of the weights this engine holds (sync_group.fingerprint), its workers' added up."""
+        from openrlhf_async.rollout.sync_group import add_fingerprints
+
+        return add_fingerprints(await self.engine.collective_rpc("fingerprint"))
+
+    async def plant_sync_fault(self, kind: str) -> None:
+        """For the sync check's tests and benchmarks: the next weight update goes wrong ("drop_bucket",
+        "skip_load", "wrong_indices": weight_transfer.plant_fault; "stale": nothing loaded and the version kept, an
+        engine left on the previous version)."""
+        if kind == "stale":
+            self.stale_next = True
+        else:
+            await self.engine.collective_rpc("plant_sync_fault", args=(kind,))
 
     async def read_weight(self, name: str):
         import torch

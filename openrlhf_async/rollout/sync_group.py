@@ -60,6 +60,36 @@ def unflatten(buffer: torch.Tensor, bucket: list):
         offset += numel
 
 
+def patch_index_dtype(bucket: list) -> torch.dtype:
+    """The dtype of a bucket's patch indices: flat positions in each weight, int32 where every weight has fewer than
+    2^31 elements (vLLM's sparse engine sends int32)."""
+    return torch.int32 if max(math.prod(shape) for _, _, shape in bucket) < 2**31 else torch.int64
+
+
+def send_patches(group, bucket: list, patches: list, device) -> int:
+    """Broadcast one bucket's patches [(flat indices, values)], one per weight of bucket, from rank 0: the count of
+    each weight's patch, then every index, then every value (three broadcasts a bucket). Returns the bytes sent."""
+    counts = torch.tensor([len(indices) for indices, _ in patches], dtype=torch.int64, device=device)
+    indices = torch.cat([i.to(device, patch_index_dtype(bucket)) for i, _ in patches])
+    values = torch.cat([v.to(device, DTYPES[bucket[0][1]]) for _, v in patches])
+    for tensor in (counts, indices, values):
+        group.broadcast(tensor)
+    return sum(t.numel() * t.element_size() for t in (counts, indices, values))
+
+
+def receive_patches(group, bucket: list, device) -> list:
+    """send_patches' other side: [(flat indices, values)] per weight of bucket."""
+    counts = torch.empty(len(bucket), dtype=torch.int64, device=device)
+    group.broadcast(counts)
+    total = int(counts.sum())
+    indices = torch.empty(total, dtype=patch_index_dtype(bucket), device=device)
+    values = torch.empty(total, dtype=DTYPES[bucket[0][1]], device=device)
+    group.broadcast(indices)
+    group.broadcast(values)
+    sizes = counts.tolist()
+    return list(zip(indices.split(sizes), values.split(sizes)))
+
+
 def open_sync_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
     """A process group of its own (outside torch.distributed's default one) for the weight broadcast, whose
     rendezvous and collectives give up after timeout_s: a member that died or hangs makes the others fail in time,
@@ -208,3 +238,56 @@ class SyncGroup:
         if not self.failed:
             self.abort()
         self.group = self.store = None
+
+
+# ---- the fingerprint a weight sync is checked with ---------------------------------------------------------------
+# Weights as the engines hold them are compared in exact integer arithmetic over their bit patterns, grouped so that
+# neither side's layout matters: a decoder layer's weights (`...layers.N.`) are one group however vLLM packs them
+# (q, k and v in one qkv_proj) or shards them across tensor-parallel workers, and every other weight falls in "rest".
+# Per group: the sum of the bit patterns, the sum of a multiplicative hash of each (both modulo nothing: Python ints,
+# exact, independent of the order of summation, so the tolerance is zero) and, to say how large a difference is, the
+# sum of the values in float64. Zeros add nothing, so vLLM's padding of the vocabulary changes nothing.
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_HASH = 0x9E3779B1  # Knuth's multiplicative constant: a changed bit anywhere moves the low 32 bits of the product
+_CHUNK = 1 << 24
+
+
+def fingerprint_group(name: str) -> str:
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return f"layers.{match.group(1)}" if match else "rest"
+
+
+def fingerprint(named_tensors, into: dict = None) -> dict:
+    """{group: [Σ bits, Σ hash(bits), Σ values]} of (name, tensor) pairs (tensors in the engines' dtype), added to
+    into (the sums of several ranks or workers add up to those of the whole)."""
+    into = {} if into is None else into
+    for name, tensor in named_tensors:
+        flat = tensor.detach().reshape(-1)
+        width = flat.element_size()
+        mask = (1 << (8 * width)) - 1
+        sums = into.setdefault(fingerprint_group(name), [0, 0, 0.0])
+        for start in range(0, flat.numel(), _CHUNK):
+            part = flat[start : start + _CHUNK]
+            bits = part.view(_INT_VIEWS[width]).to(torch.int64) & mask
+            sums[0] += int(bits.sum())
+            sums[1] += int(((bits * _HASH) & 0xFFFFFFFF).sum())
+            sums[2] += float(part.double().sum())
+    return into
+
+
+def add_fingerprints(parts) -> dict:
+    """The sum of several fingerprints (a trainer's ranks' partitions, an engine's tensor-parallel workers)."""
+    total = {}
+    for part in parts:
+        for group, sums in part.items():
+            into = total.setdefault(group, [0, 0, 0.0])
+            for k, value in enumerate(sums):
+                into[k] += value
+    return total
+
+
+def fingerprint_differences(engine: dict, trainer: dict) -> list:
+    """[(group, difference of the values' sums)] of the groups whose bit patterns differ, in the trainer's order."""
+    return [(group, engine.get(group, [0, 0, 0.0])[2] - sums[2]) for group, sums in trainer.items()
+            if engine.get(group, [0, 0, 0.0])[:2] != sums[:2]] + \
+           [(group, sums[2]) for group, sums in engine.items() if group not in trainer and sums[:2] != [0, 0]]

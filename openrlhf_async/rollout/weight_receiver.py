@@ -2,9 +2,10 @@
 weight-transfer engine (weight_transfer.py) with vLLM's factory in the worker, before the worker builds the engine
 its `weight_transfer_config` names; the weights then come through vLLM's own update API."""
 
-from openrlhf_async.rollout.weight_transfer import register
+from openrlhf_async.rollout.weight_transfer import keep_cpu_weights, register
 
 register()
+keep_cpu_weights()
 
 
 class WeightReceiver:
@@ -13,3 +14,19 @@ class WeightReceiver:
         msgpack carries as they are: a nested list of SmolLM2's 28M-element embedding took seconds each way."""
         weight = dict(self.model_runner.model.named_parameters())[name].detach().float().cpu().contiguous()
         return weight.numpy().tobytes(), list(weight.shape)
+
+    def fingerprint(self) -> dict:
+        """This worker's weights' fingerprint (sync_group.fingerprint): what the weight sync is checked with. With
+        tensor parallelism a weight every worker holds whole (a norm's) counts on the first worker only, so the
+        workers' fingerprints add up to the model's."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from openrlhf_async.rollout.sync_group import fingerprint
+
+        first = get_tensor_model_parallel_world_size() == 1 or get_tensor_model_parallel_rank() == 0
+        return fingerprint((name, p) for name, p in self.model_runner.model.named_parameters()
+                           if first or getattr(p, "output_dim", None) is not None
+                           or getattr(p, "input_dim", None) is not None)
+
+    def plant_sync_fault(self, kind: str) -> None:
+        self.weight_transfer_engine.plant_fault(kind)

@@ -17,6 +17,7 @@ forms, and is the same on every vLLM this project runs on (0.26 to 0.32: rollout
 on cuda takes CUDA IPC handles through it too ("ipc"), in the form of vLLM's own `ipc` engine, whose module imports
 Ray in 0.26 (ipc_engine.py:11), which a single engine on a GPU machine need not have."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from openrlhf_async.rollout.sync_group import DTYPES, SyncGroup, plan_buckets, synchronize, unflatten
+from openrlhf_async.rollout.sync_group import (
+    DTYPES,
+    SyncGroup,
+    plan_buckets,
+    receive_patches,
+    synchronize,
+    unflatten,
+)
 
 NAME = "openrlhf_async"  # the engine's name in vLLM's factory: AsyncEngineArgs(weight_transfer_config={"backend": NAME})
 
@@ -66,6 +74,7 @@ class BroadcastUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list
     shapes: list
     ipc_handles: list = None  # ipc: per parameter, {GPU UUID: torch's rebuild_cuda_tensor arguments}
+    sparse: bool = False  # broadcast: patches of the elements that changed (receive_patches), not whole weights
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
@@ -77,6 +86,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         self.group, self.bucket_bytes = None, None
         self.shared = None  # shm: the trainer's file, mapped as bytes
         self.ipc = False  # the weights come as CUDA IPC handles
+        self.reloading = self.patched = False  # this update's kind, known from its first bucket
+        self.fault = None  # a fault planted for the next update (plant_fault): the sync check must catch it
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         if self.group is not None:  # a group of earlier members: aborted before another is formed
@@ -102,16 +113,21 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         return set_current_vllm_config(self.vllm_config)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        with self._in_config():
-            initialize_layerwise_reload(self.model)
+        """Nothing yet: whole weights go through vLLM's layerwise reload, begun by the first of them (update_weights);
+        patches are written in place, outside it (vLLM's rule for sparse updates, checkpoint_weight_patch.py)."""
+        self.reloading = self.patched = False
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU ("Cannot access accelerator
         # device when none is available"); receive_weights synchronises this worker's device itself.
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        info = self.parse_update_info(update_info)
         with self._in_config():
-            self.receive_weights(self.parse_update_info(update_info))
+            if not info.sparse and not self.reloading:
+                initialize_layerwise_reload(self.model)
+                self.reloading = True
+            self.receive_weights(info)
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         """Receive the buckets in order, each loaded as it arrives; returns once this worker's device holds them all
@@ -126,12 +142,18 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         if self.group is None:
             raise RuntimeError("the weight-sync group was never formed: init_weight_transfer_engine first")
         named = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
+        fault, self.fault = self.fault, None
         try:
-            for bucket in plan_buckets(named, self.bucket_bytes):
+            for k, bucket in enumerate(plan_buckets(named, self.bucket_bytes)):
+                load = not (fault == "skip_load" or (fault == "drop_bucket" and k == 0))
+                if update_info.sparse:
+                    self._receive_patches(bucket, load, fault == "wrong_indices")
+                    continue
                 numel = sum(torch.Size(shape).numel() for _, _, shape in bucket)
                 buffer = torch.empty(numel, dtype=DTYPES[bucket[0][1]], device=self.device)
                 self.group.broadcast(buffer)
-                self.model.load_weights(unflatten(buffer, bucket))
+                if load:
+                    self.model.load_weights(unflatten(buffer, bucket))
             self.group.complete()
         except BaseException:
             try:  # no layer left half in reload; the engine stays paused with its old version until a sync completes
@@ -139,6 +161,23 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             except Exception as e:
                 print(f"weight update: finishing the failed reload: {type(e).__name__}: {e}", flush=True)
             raise
+
+    def _receive_patches(self, bucket: list, load: bool = True, shifted: bool = False) -> None:
+        """One bucket's patches (sync_group.receive_patches), applied in place through the model's own loader
+        (vLLM's load_checkpoint_weight_patches: tensor-parallel shards and packed parameters as a whole weight's)."""
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        patches = []
+        for (name, dtype, shape), (indices, values) in zip(bucket, receive_patches(self.group, bucket, self.device)):
+            if shifted and indices.numel():
+                indices = (indices + 1) % math.prod(shape)
+            patches.append(CheckpointWeightPatch(name, tuple(shape), DTYPES[dtype], values, indices))
+        if load:
+            load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
+        self.patched = True
 
     def _load_shared(self, update_info: BroadcastUpdateInfo) -> None:
         named = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
@@ -175,9 +214,19 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with self._in_config():
-            finalize_layerwise_reload(self.model, self.model_config)
-            _retie_word_embeddings(self.model)
+            if self.reloading:
+                finalize_layerwise_reload(self.model, self.model_config)
+                _retie_word_embeddings(self.model)
+            elif self.patched:
+                _prepare_patched(self.model)
+        self.reloading = self.patched = False
         synchronize(self.device)
+
+    def plant_fault(self, kind: str) -> None:
+        """For the tests and benchmarks of the sync check: the next update goes wrong in this way ("drop_bucket":
+        its first bucket is received and not loaded; "skip_load": nothing is loaded; "wrong_indices": each patch is
+        applied one element further on)."""
+        self.fault = kind
 
     def shutdown(self) -> None:
         self.shared = None
@@ -190,6 +239,40 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         """Abstract in vLLM's base class before 0.29 (rollout/vllm_compat.py); the trainer's side of this engine is
         trainer/weight_export.py over sync_group.SyncGroup."""
         raise NotImplementedError("openrlhf_async's trainer sends with trainer/weight_export.py")
+
+
+def keep_cpu_weights() -> None:
+    """vLLM-CPU packs each linear layer's weight for its GEMM kernels once loaded and drops the weight
+    (layers/utils.py, dispatch_cpu_unquantized_gemm(remove_weight=True), from layers/linear.py): kept instead, a
+    patch can be written into it in place and packed again (_prepare_patched), and the sync check can read what the
+    engine holds. It costs the memory of a second copy of the linear weights on a CPU engine, not generation speed."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "keeps_weights", False):
+        return
+
+    def keeping(layer, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    keeping.keeps_weights = True
+    utils.dispatch_cpu_unquantized_gemm = keeping
+
+
+def _prepare_patched(model) -> None:
+    """After patches written in place: on CPU, pack every unquantized linear and embedding layer's weight again for
+    its kernels, as loading does (a GPU runs its layers from the parameters themselves)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            method.process_weights_after_loading(module)
 
 
 def _retie_word_embeddings(model) -> None:

@@ -106,6 +106,7 @@ class Setup:
     colocated_kept: int = 0
     bucket_bytes: int = 64 << 20  # --train.weight_sync_bucket_mb
     top_p: float = 1.0  # --rollout.top_p: the policy's log-probs are of the nucleus distribution
+    sparse_sync: bool = False  # sparse weight syncs: each rank keeps its part of the weights of the last sync
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -129,7 +130,9 @@ def setup_of(cfg) -> Setup:
                  engine_sleep=cfg.vllm.enable_sleep, cuda_graphs=not cfg.vllm.enforce_eager,
                  trainer_sleep=cfg.ds.enable_sleep, lora_rank=cfg.ds.lora_rank,
                  lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
-                 top_p=cfg.rollout.top_p)
+                 top_p=cfg.rollout.top_p,
+                 sparse_sync=(cfg.train.weight_sync_sparse_max > 0 and cfg.dtype != "fp32" and not cfg.hybrid
+                              and not cfg.ds.lora_rank))
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:
@@ -185,12 +188,15 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
     # A log-prob pass keeps no activations: one layer's at a time, and its logits (chunked alike).
     logprob_pass = s.logprob_tokens * b * (4 * m.hidden + 2 * m.intermediate) + logits_bytes(
         m, min(s.chunk, s.logprob_tokens) if s.chunk else s.logprob_tokens, b, backward=False, nucleus=s.top_p < 1)
+    # The sparse sync's baseline: this rank's part (its ZeRO-3 partition, or an equal share) of every weight as the
+    # engines hold it, to find what changed (weight_export.WeightExport.broadcast_patches).
+    baseline = b * m.params / N if s.sparse_sync else 0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
-             "reference": reference, "activations": activations, "attention_mask": mask_bytes(s, T),
-             "logits": logits}
+             "reference": reference, "sync_baseline": baseline, "activations": activations,
+             "attention_mask": mask_bytes(s, T), "logits": logits}
     if s.colocated_train:
         parts["colocated"] = s.colocated_train
-    states = weights + grads + optimizer + buffers + reference + s.colocated_train
+    states = weights + grads + optimizer + buffers + reference + baseline + s.colocated_train
     parts["total"] = states + max(activations + parts["attention_mask"] + logits,
                                     logprob_pass + mask_bytes(s, s.logprob_tokens))
     return {k: int(v) for k, v in parts.items()}
@@ -200,8 +206,8 @@ def engine_bytes(m: ModelShape, s: Setup, device_bytes) -> dict:
     """One engine's GPU: its weights (split over tensor_parallel GPUs) and the share vLLM takes; on cpu, the
     weights and the KV cache it is given (--vllm.cpu_kvcache_space_gib)."""
     weights = s.dtype_bytes * m.params / s.tensor_parallel
-    if s.device == "cpu":
-        return {"weights": int(weights), "total": int(weights + s.cpu_kvcache_gb * GB)}
+    if s.device == "cpu":  # the weights, and the copy vLLM-CPU packs for its kernels (weight_transfer.keep_cpu_weights)
+        return {"weights": int(weights), "packed": int(weights), "total": int(2 * weights + s.cpu_kvcache_gb * GB)}
     share = s.gpu_memory_utilization * device_bytes if device_bytes else None
     return {"weights": int(weights), "total": int(share) if share else None,
             "kv_cache": int(share - weights - graph_pool_bytes(s)) if share else None}

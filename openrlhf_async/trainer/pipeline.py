@@ -413,6 +413,8 @@ class TrainingActor:
         # The hybrid engine: of those, the seconds spent handing the devices over (engines asleep and awake again,
         # the trainer's states offloaded and back).
         handover = {"timing/sleep_s": self.weight_sync.take_handover_s()} if self.cfg.hybrid else {}
+        if synced:  # sparse or whole, the share and bytes sent, the check's seconds
+            handover.update(self.weight_sync.figures)
         if synced and self.weight_sync.check:  # LoRA: the engines' probe log-probs against the trainer's
             handover.update({"sync/probe_logprob_diff": self.weight_sync.probe_diff,
                              "sync/probe_adapter_effect": self.weight_sync.probe_adapter_effect})

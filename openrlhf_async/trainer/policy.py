@@ -240,8 +240,20 @@ class PolicyActor(DeepSpeedRank):
     def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         self.weights.init_weight_sync_group(host, port, world_size, backend, timeout_s)
 
-    def broadcast_weights(self, buckets: list) -> bool:
-        return self.weights.broadcast_weights(buckets)
+    def broadcast_weights(self, buckets: list, track: bool = False) -> bool:
+        return self.weights.broadcast_weights(buckets, track)
+
+    def changed_elements(self):
+        return self.weights.changed_elements()
+
+    def broadcast_patches(self, buckets: list) -> bool:
+        return self.weights.broadcast_patches(buckets)
+
+    def take_fingerprint(self) -> dict:
+        return self.weights.take_fingerprint()
+
+    def sync_figures(self) -> tuple:
+        return self.weights.sync_figures()
 
     def open_weight_file(self, size: int) -> str:
         return self.weights.open_weight_file(size)

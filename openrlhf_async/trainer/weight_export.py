@@ -12,12 +12,14 @@ Every rank gathers every bucket (a ZeRO-3 collective), whatever the transport. A
 the receiving side is rollout/weight_transfer.py."""
 
 import contextlib
+import math
 import os
 import struct
 import zlib
 
 import torch
 
+from openrlhf_async.rollout.sync_group import bytes_of, fingerprint, send_patches
 from openrlhf_async.utils.ports import free_port
 
 # The probe a weight sync checks the engines with: the engines' greedy continuation of each, scored by the trainer.
@@ -84,6 +86,44 @@ def probe_ids(model_path) -> list:
     return [tokenizer(text)["input_ids"] for text in PROBE_TEXTS]
 
 
+def _changed(part: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """Where two tensors of one dtype differ bit for bit (a change of sign of a zero counts; NaN equals itself)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[part.element_size()]
+    return part.view(ints) != previous.view(ints)
+
+
+def _gather_patches(local: list) -> list:
+    """Every rank's [(global flat indices, values)] per weight, joined in rank order on each rank (an all-gather
+    over the trainer's ranks, of equal-sized buffers: the largest rank's)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    device = local[0][1].device
+    counts = torch.tensor([len(i) for i, _ in local], dtype=torch.int64, device=device)
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts)
+    totals = [int(c.sum()) for c in all_counts]
+    width = max(totals)
+    indices = torch.zeros(width, dtype=torch.int64, device=device)
+    values = torch.zeros(width, dtype=local[0][1].dtype, device=device)
+    mine = sum(len(i) for i, _ in local)
+    if mine:
+        indices[:mine] = torch.cat([i for i, _ in local])
+        values[:mine] = torch.cat([v for _, v in local])
+    all_indices = [torch.empty_like(indices) for _ in range(world)]
+    all_values = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(all_indices, indices)
+    dist.all_gather(all_values, values)
+    per_rank = [list(zip(i[:t].split(c.tolist()), v[:t].split(c.tolist())))
+                for i, v, t, c in zip(all_indices, all_values, totals, all_counts)]
+    return [(torch.cat([rank[k][0] for rank in per_rank]), torch.cat([rank[k][1] for rank in per_rank]))
+            for k in range(len(local))]
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
 class WeightExport:
     """One policy rank's weights as the engines load them, and its part in each transport."""
 
@@ -93,6 +133,12 @@ class WeightExport:
         self.sources = weight_sources(module, lora)
         self.sync_group = None  # rank 0's side of the weight-sync group
         self.weight_file = self.held = None  # the hybrid engine's: shared bucket (cpu) or IPC-shared tensors (cuda)
+        self.lora = lora
+        # The sparse sync's baseline: this rank's part of each weight as the engines hold it since the last sync
+        # (owned), kept where the sync keeps one (track); None until a sync of every weight took it.
+        self.previous = None
+        self.sent = self.patch_bytes = 0  # the last sync's changed elements and bytes broadcast (rank 0)
+        self.fingerprint = {}  # of what this rank sent or patched since take_fingerprint
 
     def _device(self):
         return next(self.module.parameters()).device
@@ -103,16 +149,26 @@ class WeightExport:
                 for name, params, _ in self.sources]
 
     @contextlib.contextmanager
-    def gathered(self, names: list):
+    def gathered(self, names: list, count: bool = False):
         """The named weights' sources gathered (a collective over the ZeRO-3 ranks: every rank enters with the same
-        names); yields a function returning their values as the engines load them."""
+        names); yields a function returning their values as the engines load them. count: add them to the
+        fingerprint of what this sync sent (on rank 0: every rank gathers the same values)."""
         import deepspeed
 
         by_name = {name: (params, scaling) for name, params, scaling in self.sources}
         chosen = [(n, *by_name[n]) for n in names]
         with deepspeed.zero.GatheredParameters([p for _, params, _ in chosen for p in params],
                                                enabled=self.zero_stage == 3):
-            yield lambda: [source_value(params, scaling, name) for name, params, scaling in chosen]
+            values = []
+
+            def computed() -> list:
+                if not values:
+                    values.extend(source_value(params, scaling, name) for name, params, scaling in chosen)
+                return values
+
+            if count and self.rank == 0:
+                fingerprint(zip(names, computed()), self.fingerprint)
+            yield computed
 
     def read_weight(self, name: str) -> torch.Tensor:
         """A weight as the engines load it (with LoRA: the base's name, merged), gathered: a collective."""
@@ -136,21 +192,95 @@ class WeightExport:
             self.sync_group = None
         self.sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, self._device())
 
-    def broadcast_weights(self, buckets: list) -> bool:
+    def broadcast_weights(self, buckets: list, track: bool = False) -> bool:
         """Gather each bucket's parameters (collective over the ZeRO-3 ranks) and broadcast them from rank 0.
         Returns whether every broadcast completed (not merely started: NCCL's wait does not block): when one fails
         (an engine died or hangs), rank 0 stops broadcasting but keeps gathering with the other ranks, so the
-        trainer's own collectives stay in step, and the group is aborted."""
+        trainer's own collectives stay in step, and the group is aborted. track: keep this rank's part of every
+        weight as the baseline of the next sparse sync (broadcast_patches)."""
         ok = True
+        self.previous = None
         with self.timeline.span("sync"):
             for bucket in buckets:
-                with self.gathered([name for name, _, _ in bucket]) as values:
+                with self.gathered([name for name, _, _ in bucket], True) as values:
                     if self.rank == 0 and ok:
                         flat = torch.cat([t.reshape(-1) for t in values()])
                         ok = self._sync_step(self.sync_group.broadcast, flat)
             if self.rank == 0 and ok:
                 ok = self._sync_step(self.sync_group.complete)
+            if track:
+                self.previous = {name: part.clone() for name, (_, part) in self._owned().items()}
+        self.sent = sum(math.prod(shape) for bucket in buckets for _, _, shape in bucket)
+        self.patch_bytes = sum(bytes_of(bucket) for bucket in buckets)
         return ok
+
+    # ---- sparse: only the elements that changed -----------------------------------------------------------------
+
+    def _owned(self) -> dict:
+        """{name: (offset, this rank's part of the weight, flat)}: its ZeRO-3 partition (padding cut off), or,
+        where every rank holds every weight, an equal share of it. No rank holds a second copy of the whole."""
+        import torch.distributed as dist
+
+        owned = {}
+        for name, params, _ in self.sources:
+            p = params[0]
+            if self.zero_stage == 3:
+                size = p.ds_tensor.ds_numel
+                offset = size * dist.get_rank(group=p.ds_process_group)
+                owned[name] = (offset, p.ds_tensor.data.reshape(-1)[: max(0, min(size, p.ds_numel - offset))])
+            else:
+                world, rank = dist.get_world_size(), dist.get_rank()
+                share = -(-p.numel() // world)
+                owned[name] = (share * rank, p.data.reshape(-1)[share * rank : share * (rank + 1)])
+        return owned
+
+    def changed_elements(self) -> tuple:
+        """(elements of this rank's parts that differ from the baseline, elements in them), or None without a
+        baseline (the last sync sent no whole weights, or failed): the next sync must then send every weight."""
+        if self.previous is None or self.lora:
+            return None
+        owned = self._owned()
+        changed = sum(int(_changed(part, self.previous[name]).sum()) for name, (_, part) in owned.items())
+        return changed, sum(part.numel() for _, part in owned.values())
+
+    def broadcast_patches(self, buckets: list) -> bool:
+        """The sparse sync: for each bucket, each rank finds the elements of its parts that changed since the
+        baseline (bit for bit, in the dtype the engines hold), rank 0 gathers them (a collective over the trainer's
+        ranks) and broadcasts them as patches in checkpoint coordinates (name, flat indices, values:
+        sync_group.send_patches). The baseline becomes the weights sent. Returns as broadcast_weights does."""
+        import torch.distributed as dist
+
+        ok, owned = True, self._owned()
+        self.sent = self.patch_bytes = 0
+        with self.timeline.span("sync"):
+            for bucket in buckets:
+                local = []
+                for name, _, _ in bucket:
+                    offset, part = owned[name]
+                    where = _changed(part, self.previous[name]).nonzero().reshape(-1)
+                    local.append((where + offset, part[where]))
+                    self.previous[name].copy_(part)
+                fingerprint(((name, owned[name][1]) for name, _, _ in bucket), self.fingerprint)
+                patches = _gather_patches(local) if dist.is_initialized() and dist.get_world_size() > 1 else local
+                if self.rank == 0:
+                    self.sent += sum(len(i) for i, _ in patches)
+                    if ok:
+                        try:
+                            self.patch_bytes += send_patches(self.sync_group, bucket, patches, self._device())
+                        except Exception as e:
+                            ok = self._sync_step(_raise, e)
+            if self.rank == 0 and ok:
+                ok = self._sync_step(self.sync_group.complete)
+        return ok
+
+    def take_fingerprint(self) -> dict:
+        """The fingerprint (sync_group.fingerprint) of what this rank sent or patched since the last call."""
+        taken, self.fingerprint = self.fingerprint, {}
+        return taken
+
+    def sync_figures(self) -> tuple:
+        """(elements sent, bytes broadcast) by the last sync (rank 0's)."""
+        return self.sent, self.patch_bytes
 
     @staticmethod
     def _sync_step(step, *args) -> bool:
@@ -190,7 +320,7 @@ class WeightExport:
     def write_bucket(self, bucket: list) -> bool:
         """Gather one bucket's parameters (collective over the ZeRO-3 ranks) and, on a rank with a weight file, write
         them there flat, for its engine's update_weights."""
-        with self.timeline.span("sync"), self.gathered([name for name, _, _ in bucket]) as values:
+        with self.timeline.span("sync"), self.gathered([name for name, _, _ in bucket], True) as values:
             if self.weight_file is not None:
                 flat = self.weight_file[1]
                 offset = 0
@@ -210,7 +340,7 @@ class WeightExport:
         from torch.multiprocessing.reductions import reduce_tensor
 
         handles = None
-        with self.timeline.span("sync"), self.gathered([name for name, _, _ in bucket]) as values:
+        with self.timeline.span("sync"), self.gathered([name for name, _, _ in bucket], True) as values:
             if owner:
                 uuid = str(torch.cuda.get_device_properties(self._device()).uuid)
                 kept = [t.detach().clone() for t in values()]

@@ -1,16 +1,30 @@
 """Weight sync: trainer rank 0 broadcasts the policy, bucket by bucket, to every vLLM worker over one
 stateless process group (NCCL on GPU, gloo on CPU). The engines take it through vLLM's own weight-update API
-(rollout/weight_transfer.py), which keeps the version; they then tag new tokens with it."""
+(rollout/weight_transfer.py), which keeps the version; they then tag new tokens with it.
 
+A sync sends every weight, or, once the engines hold the trainer's weights of the last sync, only the elements that
+changed since (sparse: --train.weight_sync_sparse_max). Every sync is then checked (verify): each engine's
+fingerprint of the weights it holds must equal, bit for bit, the trainer's of what it sent, and its version the
+new one."""
+
+import importlib.util
+import math
 import time
 
 from openrlhf_async.rollout.engine import submit
-from openrlhf_async.rollout.sync_group import plan_buckets
+from openrlhf_async.rollout.sync_group import add_fingerprints, fingerprint_differences, plan_buckets
 from openrlhf_async.utils.ray_utils import get_all
 
 
 class SyncCheckFailed(RuntimeError):
-    """The engines' log-probs of the probe differ from the trainer's after a sync (WeightSync.check_engines)."""
+    """An engine does not hold the weights the trainer sent after a sync (WeightSync.verify), or with LoRA its
+    log-probs of the probe differ from the trainer's (WeightSync.check_engines)."""
+
+
+def sparse_supported() -> bool:
+    """Whether this vLLM applies patches in checkpoint coordinates (vLLM 0.32's load_checkpoint_weight_patches,
+    model_executor/model_loader/checkpoint_weight_patch.py); earlier releases sync every weight."""
+    return importlib.util.find_spec("vllm.model_executor.model_loader.checkpoint_weight_patch") is not None
 
 
 class WeightSync:
@@ -50,6 +64,12 @@ class WeightSync:
         self.tolerance = 1e-3 if cfg.dtype == "fp32" else 5e-2
         self.probe = ray.get(policy.actors[0].probe_ids.remote()) if self.check else None
         self.probe_diff = self.probe_adapter_effect = None  # the last check's figures
+        # Sparse syncs: past this share of changed elements a sync sends every weight. Off with LoRA (a merged
+        # weight changes whole with its adapter) and in fp32 (Adam moves every element every step).
+        sparse = cfg.ds.lora_rank == 0 and cfg.dtype != "fp32" and sparse_supported()
+        self.sparse_max = cfg.train.weight_sync_sparse_max if sparse else 0.0
+        self.holding = set()  # the engines that hold the trainer's baseline (the weights of the last sync)
+        self.figures = {}  # the last sync's: sync/sparse, changed_fraction, bytes, check_s
         self.members = self._connect(self.members)
 
     @property
@@ -70,6 +90,8 @@ class WeightSync:
         if self.fleet is not None:
             members = {**ray.get(self.fleet.active.remote()), **ray.get(self.fleet.joining.remote())}
         members = self._broadcast(members, version, pause_mode)
+        if members:
+            self.verify(members, version)
         if self.check and members:
             self.check_engines(members, version)
         if not members and self.fleet is None:
@@ -92,11 +114,40 @@ class WeightSync:
         if not joining:
             return 0
         joined = self._broadcast(joining, self.version, "keep")
+        self.holding = set()  # the others hold the last sync's weights, the joined ones the current: no baseline
+        if joined:
+            self.verify(joined, self.version)
         if self.check and joined:
             self.check_engines(joined, self.version)
         self.members.update(joined)
         ray.get(self.fleet.joined.remote(list(joined), self.version))
         return len(joined)
+
+    def verify(self, members: dict, version: int) -> None:
+        """Each engine's fingerprint of the weights it holds (sync_group.fingerprint) against the trainer's of what
+        it sent, and each engine's version against the new one: exact (bit patterns summed in integers, in any
+        order, so the tolerance is zero), and stops the run with one line naming the engine (SyncCheckFailed). A
+        pass over the weights on each side: about as long as reading them once."""
+        import ray
+
+        start = time.perf_counter()
+        trainer = add_fingerprints(get_all(self.policy.call("take_fingerprint"), self.timeout))
+        ids = list(members)
+        held = get_all([members[i].fingerprint.remote() for i in ids], self.timeout)
+        versions = ray.get([members[i].get_weight_version.remote() for i in ids], timeout=self.timeout)
+        for i, fingerprint, held_version in zip(ids, held, versions):
+            differ = fingerprint_differences(fingerprint, trainer)
+            if differ or held_version != version:
+                self.holding = set()  # a sync after this one (a test's, a caller's that recovers) sends every weight
+                groups = ", ".join(group for group, _ in differ[:3]) + (", ..." if len(differ) > 3 else "")
+                raise SyncCheckFailed(
+                    f"weight sync check: engine {i} does not hold the trainer's weights of version {version} "
+                    f"(it holds version {held_version}): "
+                    + (f"{len(differ)} of {len(trainer)} weight groups differ ({groups}), their values' sums by "
+                       f"{sum(abs(d) for _, d in differ):.3g} in all; " if differ else "its weights are the sent ones; ")
+                    + ("a sync sent only what changed" if self.figures.get("sync/sparse") else "a sync sent every weight")
+                    + ". The run stops: the engines would generate with weights the trainer does not have")
+        self.figures["sync/check_s"] = time.perf_counter() - start
 
     def check_engines(self, members: dict, version: int) -> None:
         """The engines' greedy continuations of the fixed probe (PolicyActor.probe_ids), scored by the trainer: each
@@ -161,6 +212,7 @@ class WeightSync:
                 return {}
             if set(members) != self.grouped:
                 members = self._connect(members)
+            get_all(self.policy.call("take_fingerprint"), self.timeout)  # of this attempt alone
             members, complete = self._send(members, version)
             if complete:
                 return self._after(members)
@@ -266,11 +318,27 @@ class WeightSync:
             members = kept
         raise RuntimeError(f"the weight-sync group could not be formed in {self.attempts} tries")
 
+    def _sparse(self, members: dict) -> bool:
+        """Whether this sync sends only what changed: every engine holds the baseline (none joins), and the share of
+        elements that changed since (counted on each rank's part) is at most --train.weight_sync_sparse_max."""
+        self.figures = {"sync/sparse": 0}
+        if self.sparse_max <= 0 or not set(members) <= self.holding:
+            return False
+        counts = get_all(self.policy.call("changed_elements"), self.timeout)
+        if any(c is None for c in counts):
+            return False
+        fraction = sum(c for c, _ in counts) / max(1, sum(n for _, n in counts))
+        self.figures["sync/changed_fraction"] = fraction
+        return fraction <= self.sparse_max
+
     def _send(self, members: dict, version: int) -> tuple:
         """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
         part (rank 0 says whether its broadcasts went through); engines that died or hang are dropped."""
-        refs = self.policy.call("broadcast_weights", self.buckets) + [
-            submit(e, "receive_weights", self.named_shapes, version) for e in members.values()]
+        sparse = self._sparse(members)
+        self.holding = set()
+        trainer = (self.policy.call("broadcast_patches", self.buckets) if sparse else
+                   self.policy.call("broadcast_weights", self.buckets, self.sparse_max > 0))
+        refs = trainer + [submit(e, "receive_weights", self.named_shapes, version, sparse) for e in members.values()]
         outcomes = _outcomes(refs, self.timeout + 10)
         ranks, engines = outcomes[: len(self.policy.actors)], outcomes[len(self.policy.actors):]
         for kind, error in ranks:
@@ -278,7 +346,12 @@ class WeightSync:
                 raise error if error is not None else TimeoutError("a trainer rank hangs in the weight broadcast")
         kept = self._keep(members, engines, ("died", "hung"))
         complete = ranks[0][1] and not any(kind == "error" for kind, _ in engines)
-        if not complete:
+        sent, sent_bytes = get_all(self.policy.call("sync_figures"), self.timeout)[0]
+        total = sum(math.prod(shape) for _, _, shape in self.named_shapes)
+        self.figures.update({"sync/sparse": int(sparse), "sync/bytes": sent_bytes, "sync/sent_fraction": sent / total})
+        if complete:
+            self.holding = set(kept)
+        else:
             self.broadcasts_failed += 1
             failed = [i for i, (kind, _) in zip(members, engines) if kind == "error"]
             print(f"weight sync: the broadcast did not complete (trainer rank 0: {'ok' if ranks[0][1] else 'failed'}, "
