@@ -140,6 +140,12 @@ def _recording_sync(fail_update_at=None, cuda=False, tp=1):
             self.bundles, self.grouped = {i: tuple(range(i * tp, (i + 1) * tp)) for i in members}, set(members)
             return members
 
+        def _begin_attempt(self):
+            pass
+
+        def verify(self, members, version):
+            log.append(("engines", "verify", version))
+
         def _ranks_each(self, method, bucket, owners):
             log.append(("ranks", method, sorted(owners)))
             return [[{f"gpu{r}": ("handle", name)} for name, _, _ in bucket] if r in owners else None
@@ -164,7 +170,7 @@ def test_a_hybrid_step_sleeps_reloads_trains_offloads_wakes_the_weights_transfer
     assert steps == [("engines", "sleep"), ("ranks", "reload_states"), ("ranks", "train"),
                      ("ranks", "offload_states"), ("engines", "wake_up"), ("engines", "start_weight_update"),
                      *[("ranks", "write_bucket"), ("engines", "update_weights")] * 3,
-                     ("engines", "finish_weight_update"), ("engines", "wake_up")]
+                     ("engines", "finish_weight_update"), ("engines", "wake_up"), ("engines", "verify")]
     wakes = [args for who, method, *args in log if method == "wake_up"]
     assert wakes == [[["weights"]], [["kv_cache"]]], "the weights wake before they are written, the cache after"
     assert ("engines", "finish_weight_update", 1) in log and sync.version == 1 and not sync.sleeping
@@ -181,7 +187,7 @@ def test_the_version_moves_only_once_every_bucket_arrived_a_failed_transfer_is_m
     assert methods.count("start_weight_update") == 2 and methods.count("finish_weight_update") == 1
     assert methods[:first_finish].count("update_weights") == 2 + 3, "the failed transfer stopped, then all again"
     assert sync.broadcasts_failed == 1 and sync.version == 1
-    assert methods[-1] == "wake_up" and not sync.sleeping
+    assert methods[-2:] == ["wake_up", "verify"] and not sync.sleeping
 
 
 def test_on_cuda_each_tensor_parallel_worker_gets_the_handles_of_the_rank_on_its_own_gpu():

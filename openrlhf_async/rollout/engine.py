@@ -355,11 +355,11 @@ class LLMRayActorAsync:
         self.timeline.end("load")
         return version
 
-    async def fingerprint(self) -> dict:
+    async def fingerprint(self, values: bool = False) -> dict:
         """The fingerprint of the weights this engine holds (sync_group.fingerprint), its workers' added up."""
         from openrlhf_async.rollout.sync_group import add_fingerprints
 
-        return add_fingerprints(await self.engine.collective_rpc("fingerprint"))
+        return add_fingerprints(await self.engine.collective_rpc("fingerprint", args=(values,)))
 
     async def plant_sync_fault(self, kind: str) -> None:
         """For the sync check's tests and benchmarks: the next weight update goes wrong ("drop_bucket",

@@ -67,27 +67,58 @@ def patch_index_dtype(bucket: list) -> torch.dtype:
 
 
 def send_patches(group, bucket: list, patches: list, device) -> int:
-    """Broadcast one bucket's patches [(flat indices, values)], one per weight of bucket, from rank 0: the count of
-    each weight's patch, then every index, then every value (three broadcasts a bucket). Returns the bytes sent."""
-    counts = torch.tensor([len(indices) for indices, _ in patches], dtype=torch.int64, device=device)
-    indices = torch.cat([i.to(device, patch_index_dtype(bucket)) for i, _ in patches])
+    """Broadcast one bucket's patches [(flat indices, ascending; values)], one per weight of bucket, from rank 0: a
+    header (each weight's count of changed elements, and the form of the positions), then the positions, then the
+    values. The positions go as flat indices (4 bytes each), or, where fewer bytes, as a bitmap of the bucket's
+    elements (1 bit each: past 1 in 32 elements changed). Returns the bytes sent."""
+    counts = [len(indices) for indices, _ in patches]
+    numels = [math.prod(shape) for _, _, shape in bucket]
+    bitmap = sum(numels) < 32 * sum(counts) * patch_index_dtype(bucket).itemsize // 4
+    header = torch.tensor(counts + [int(bitmap)], dtype=torch.int64, device=device)
+    if bitmap:
+        offsets = torch.tensor([0] + numels[:-1], device=device).cumsum(0)
+        where = torch.cat([i.to(device, torch.int64) + o for (i, _), o in zip(patches, offsets)])
+        positions = _pack_bits(where, sum(numels), device)
+    else:
+        positions = torch.cat([i.to(device, patch_index_dtype(bucket)) for i, _ in patches])
     values = torch.cat([v.to(device, DTYPES[bucket[0][1]]) for _, v in patches])
-    for tensor in (counts, indices, values):
+    for tensor in (header, positions, values):
         group.broadcast(tensor)
-    return sum(t.numel() * t.element_size() for t in (counts, indices, values))
+    return sum(t.numel() * t.element_size() for t in (header, positions, values))
 
 
 def receive_patches(group, bucket: list, device) -> list:
     """send_patches' other side: [(flat indices, values)] per weight of bucket."""
-    counts = torch.empty(len(bucket), dtype=torch.int64, device=device)
-    group.broadcast(counts)
-    total = int(counts.sum())
-    indices = torch.empty(total, dtype=patch_index_dtype(bucket), device=device)
-    values = torch.empty(total, dtype=DTYPES[bucket[0][1]], device=device)
-    group.broadcast(indices)
+    header = torch.empty(len(bucket) + 1, dtype=torch.int64, device=device)
+    group.broadcast(header)
+    sizes, bitmap = header[:-1].tolist(), bool(header[-1])
+    numels = [math.prod(shape) for _, _, shape in bucket]
+    positions = torch.empty((sum(numels) + 7) // 8 if bitmap else sum(sizes),
+                            dtype=torch.uint8 if bitmap else patch_index_dtype(bucket), device=device)
+    values = torch.empty(sum(sizes), dtype=DTYPES[bucket[0][1]], device=device)
+    group.broadcast(positions)
     group.broadcast(values)
-    sizes = counts.tolist()
-    return list(zip(indices.split(sizes), values.split(sizes)))
+    if bitmap:
+        flags = _unpack_bits(positions, sum(numels))
+        indices = [part.nonzero().reshape(-1) for part in flags.split(numels)]
+    else:
+        indices = positions.split(sizes)
+    return list(zip(indices, values.split(sizes)))
+
+
+_BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _pack_bits(where: torch.Tensor, numel: int, device) -> torch.Tensor:
+    """A bitmap of numel elements (uint8, eight a byte, the first the lowest bit) with those at `where` set."""
+    flags = torch.zeros((numel + 7) // 8 * 8, dtype=torch.uint8, device=device)
+    flags[where] = 1
+    return (flags.view(-1, 8) * torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    bits = torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=packed.device)
+    return ((packed.view(-1, 1) & bits) != 0).reshape(-1)[:numel]
 
 
 def open_sync_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
@@ -241,15 +272,18 @@ class SyncGroup:
 
 
 # ---- the fingerprint a weight sync is checked with ---------------------------------------------------------------
-# Weights as the engines hold them are compared in exact integer arithmetic over their bit patterns, grouped so that
-# neither side's layout matters: a decoder layer's weights (`...layers.N.`) are one group however vLLM packs them
-# (q, k and v in one qkv_proj) or shards them across tensor-parallel workers, and every other weight falls in "rest".
-# Per group: the sum of the bit patterns, the sum of a multiplicative hash of each (both modulo nothing: Python ints,
-# exact, independent of the order of summation, so the tolerance is zero) and, to say how large a difference is, the
-# sum of the values in float64. Zeros add nothing, so vLLM's padding of the vocabulary changes nothing.
-_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-_HASH = 0x9E3779B1  # Knuth's multiplicative constant: a changed bit anywhere moves the low 32 bits of the product
-_CHUNK = 1 << 24
+# Weights as the engines hold them are compared exactly, over their bit patterns, grouped so that neither side's
+# layout matters: a decoder layer's weights (`...layers.N.`) are one group however vLLM packs them (q, k and v in
+# one qkv_proj) or shards them across tensor-parallel workers, and every other weight falls in "rest". A group's
+# fingerprint is the sum, modulo 2^64, of its weights read as 64-bit words (four bf16 elements, two fp32 ones): one
+# pass at the speed of memory. Wrapping addition is exact and independent of the order of summation, so the
+# tolerance is zero. Element i of a weight lands in its word at position i mod 4 (bf16), wherever it lies: a rank's
+# partition that starts mid-word counts its first and last elements one by one. Packing and sharding keep that
+# position where the parts' sizes are multiples of a word, as every model's dimensions are (were one not, the check
+# would fail loudly, never pass wrongly). Zeros add nothing, so vLLM's padding of the vocabulary changes nothing. On
+# request (values) a group also carries the sum of its values: to say how large a difference is.
+_UNSIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_WORD = 1 << 64
 
 
 def fingerprint_group(name: str) -> str:
@@ -257,22 +291,40 @@ def fingerprint_group(name: str) -> str:
     return f"layers.{match.group(1)}" if match else "rest"
 
 
-def fingerprint(named_tensors, into: dict = None) -> dict:
-    """{group: [Σ bits, Σ hash(bits), Σ values]} of (name, tensor) pairs (tensors in the engines' dtype), added to
-    into (the sums of several ranks or workers add up to those of the whole)."""
+def fingerprint(items, into: dict = None, values: bool = False) -> dict:
+    """{group: [Σ words mod 2^64] (and Σ values)} of (name, tensor) or (name, tensor, index of its first element in
+    the whole weight) items, tensors in the engines' dtype, added to into: the fingerprints of a weight's parts (ranks'
+    partitions, tensor-parallel shards) add up to the whole's."""
     into = {} if into is None else into
-    for name, tensor in named_tensors:
+    for name, tensor, *start in items:
         flat = tensor.detach().reshape(-1)
-        width = flat.element_size()
-        mask = (1 << (8 * width)) - 1
-        sums = into.setdefault(fingerprint_group(name), [0, 0, 0.0])
-        for start in range(0, flat.numel(), _CHUNK):
-            part = flat[start : start + _CHUNK]
-            bits = part.view(_INT_VIEWS[width]).to(torch.int64) & mask
-            sums[0] += int(bits.sum())
-            sums[1] += int(((bits * _HASH) & 0xFFFFFFFF).sum())
-            sums[2] += float(part.double().sum())
+        sums = into.setdefault(fingerprint_group(name), [0, 0.0] if values else [0])
+        sums[0] = (sums[0] + _word_sum(flat, start[0] if start else 0)) % _WORD
+        if values:
+            sums[1] += float(flat.sum(dtype=torch.float64))
     return into
+
+
+def _word_sum(flat: torch.Tensor, start: int) -> int:
+    width = flat.element_size()
+    per = 8 // width
+    head = min((-start) % per, flat.numel())
+    body = (flat.numel() - head) // per * per
+    total = sum(_element_word(v, start + i, width) for i, v in enumerate(flat[:head].view(_UNSIGNED[width]).tolist()))
+    tail = flat[head + body :]
+    total += sum(_element_word(v, start + head + body + i, width)
+                 for i, v in enumerate(tail.view(_UNSIGNED[width]).tolist()))
+    if body:
+        words = flat[head : head + body]
+        if words.storage_offset() % per:  # not on an 8-byte boundary of its storage: a copy that is
+            words = words.clone()
+        total += int(words.view(torch.int64).sum())
+    return total % _WORD
+
+
+def _element_word(bits: int, index: int, width: int) -> int:
+    """An element's share of its word: its bit pattern (unsigned) at its place in the word (little-endian)."""
+    return (bits % (1 << (8 * width))) << (8 * width * (index % (8 // width)))
 
 
 def add_fingerprints(parts) -> dict:
@@ -280,14 +332,14 @@ def add_fingerprints(parts) -> dict:
     total = {}
     for part in parts:
         for group, sums in part.items():
-            into = total.setdefault(group, [0, 0, 0.0])
-            for k, value in enumerate(sums):
-                into[k] += value
+            into = total.setdefault(group, [0] * len(sums))
+            into[0] = (into[0] + sums[0]) % _WORD
+            for k in range(1, len(sums)):
+                into[k] += sums[k]
     return total
 
 
 def fingerprint_differences(engine: dict, trainer: dict) -> list:
-    """[(group, difference of the values' sums)] of the groups whose bit patterns differ, in the trainer's order."""
-    return [(group, engine.get(group, [0, 0, 0.0])[2] - sums[2]) for group, sums in trainer.items()
-            if engine.get(group, [0, 0, 0.0])[:2] != sums[:2]] + \
-           [(group, sums[2]) for group, sums in engine.items() if group not in trainer and sums[:2] != [0, 0]]
+    """The groups whose bit patterns differ, in the trainer's order (then any the trainer has not)."""
+    return [g for g in trainer if engine.get(g, [0])[0] != trainer[g][0]] + \
+           [g for g in engine if g not in trainer and engine[g][0] != 0]

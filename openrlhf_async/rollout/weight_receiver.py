@@ -15,7 +15,7 @@ class WeightReceiver:
         weight = dict(self.model_runner.model.named_parameters())[name].detach().float().cpu().contiguous()
         return weight.numpy().tobytes(), list(weight.shape)
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self, values: bool = False) -> dict:
         """This worker's weights' fingerprint (sync_group.fingerprint): what the weight sync is checked with. With
         tensor parallelism a weight every worker holds whole (a norm's) counts on the first worker only, so the
         workers' fingerprints add up to the model's."""
@@ -24,9 +24,9 @@ class WeightReceiver:
         from openrlhf_async.rollout.sync_group import fingerprint
 
         first = get_tensor_model_parallel_world_size() == 1 or get_tensor_model_parallel_rank() == 0
-        return fingerprint((name, p) for name, p in self.model_runner.model.named_parameters()
-                           if first or getattr(p, "output_dim", None) is not None
-                           or getattr(p, "input_dim", None) is not None)
+        held = [(name, p) for name, p in self.model_runner.model.named_parameters()
+                if first or getattr(p, "output_dim", None) is not None or getattr(p, "input_dim", None) is not None]
+        return fingerprint(held, values=values)
 
     def plant_sync_fault(self, kind: str) -> None:
         self.weight_transfer_engine.plant_fault(kind)

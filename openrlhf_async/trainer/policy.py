@@ -249,8 +249,11 @@ class PolicyActor(DeepSpeedRank):
     def broadcast_patches(self, buckets: list) -> bool:
         return self.weights.broadcast_patches(buckets)
 
-    def take_fingerprint(self) -> dict:
-        return self.weights.take_fingerprint()
+    def begin_sync(self) -> None:
+        self.weights.begin_sync()
+
+    def weights_fingerprint(self, values: bool = False) -> dict:
+        return self.weights.weights_fingerprint(values)
 
     def sync_figures(self) -> tuple:
         return self.weights.sync_figures()

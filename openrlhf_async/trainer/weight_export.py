@@ -138,7 +138,7 @@ class WeightExport:
         # (owned), kept where the sync keeps one (track); None until a sync of every weight took it.
         self.previous = None
         self.sent = self.patch_bytes = 0  # the last sync's changed elements and bytes broadcast (rank 0)
-        self.fingerprint = {}  # of what this rank sent or patched since take_fingerprint
+        self.fingerprint = {}  # with LoRA, of the merged weights rank 0 sent since begin_sync
 
     def _device(self):
         return next(self.module.parameters()).device
@@ -151,8 +151,9 @@ class WeightExport:
     @contextlib.contextmanager
     def gathered(self, names: list, count: bool = False):
         """The named weights' sources gathered (a collective over the ZeRO-3 ranks: every rank enters with the same
-        names); yields a function returning their values as the engines load them. count: add them to the
-        fingerprint of what this sync sent (on rank 0: every rank gathers the same values)."""
+        names); yields a function returning their values as the engines load them. count: with LoRA, add them to
+        the fingerprint of what this sync sent (on rank 0: every rank gathers the same values), since a merged
+        weight exists only gathered."""
         import deepspeed
 
         by_name = {name: (params, scaling) for name, params, scaling in self.sources}
@@ -166,8 +167,8 @@ class WeightExport:
                     values.extend(source_value(params, scaling, name) for name, params, scaling in chosen)
                 return values
 
-            if count and self.rank == 0:
-                fingerprint(zip(names, computed()), self.fingerprint)
+            if count and self.lora and self.rank == 0:
+                fingerprint(zip(names, computed()), self.fingerprint, values=True)
             yield computed
 
     def read_weight(self, name: str) -> torch.Tensor:
@@ -260,7 +261,6 @@ class WeightExport:
                     where = _changed(part, self.previous[name]).nonzero().reshape(-1)
                     local.append((where + offset, part[where]))
                     self.previous[name].copy_(part)
-                fingerprint(((name, owned[name][1]) for name, _, _ in bucket), self.fingerprint)
                 patches = _gather_patches(local) if dist.is_initialized() and dist.get_world_size() > 1 else local
                 if self.rank == 0:
                     self.sent += sum(len(i) for i, _ in patches)
@@ -273,10 +273,16 @@ class WeightExport:
                 ok = self._sync_step(self.sync_group.complete)
         return ok
 
-    def take_fingerprint(self) -> dict:
-        """The fingerprint (sync_group.fingerprint) of what this rank sent or patched since the last call."""
-        taken, self.fingerprint = self.fingerprint, {}
-        return taken
+    def begin_sync(self) -> None:
+        self.fingerprint = {}
+
+    def weights_fingerprint(self, values: bool = False) -> dict:
+        """This rank's share of the fingerprint (sync_group.fingerprint) of the weights the engines should hold
+        after a sync: that of its part of each weight (the ranks' add up to the whole's); with LoRA, rank 0's of
+        the merged weights it sent."""
+        if self.lora:
+            return self.fingerprint
+        return fingerprint(((name, part, offset) for name, (offset, part) in self._owned().items()), values=values)
 
     def sync_figures(self) -> tuple:
         """(elements sent, bytes broadcast) by the last sync (rank 0's)."""

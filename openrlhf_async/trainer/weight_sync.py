@@ -124,30 +124,42 @@ class WeightSync:
         return len(joined)
 
     def verify(self, members: dict, version: int) -> None:
-        """Each engine's fingerprint of the weights it holds (sync_group.fingerprint) against the trainer's of what
-        it sent, and each engine's version against the new one: exact (bit patterns summed in integers, in any
-        order, so the tolerance is zero), and stops the run with one line naming the engine (SyncCheckFailed). A
-        pass over the weights on each side: about as long as reading them once."""
+        """Each engine's fingerprint of the weights it holds (sync_group.fingerprint) against the trainer's, the ranks'
+        parts added up, and each engine's version against the new one. Exact (64-bit words summed with wrap-around,
+        in any order: the tolerance is zero), one pass over the weights on each side, both sides at once; a
+        difference stops the run with one line naming the engine, the version and the size of the difference
+        (SyncCheckFailed)."""
         import ray
 
         start = time.perf_counter()
-        trainer = add_fingerprints(get_all(self.policy.call("take_fingerprint"), self.timeout))
         ids = list(members)
-        held = get_all([members[i].fingerprint.remote() for i in ids], self.timeout)
-        versions = ray.get([members[i].get_weight_version.remote() for i in ids], timeout=self.timeout)
+        trainer = self.policy.call("weights_fingerprint")
+        held = [members[i].fingerprint.remote() for i in ids]
+        versions = [members[i].get_weight_version.remote() for i in ids]
+        trainer = add_fingerprints(get_all(trainer, self.timeout))
+        held, versions = get_all(held, self.timeout), ray.get(versions, timeout=self.timeout)
         for i, fingerprint, held_version in zip(ids, held, versions):
             differ = fingerprint_differences(fingerprint, trainer)
             if differ or held_version != version:
                 self.holding = set()  # a sync after this one (a test's, a caller's that recovers) sends every weight
-                groups = ", ".join(group for group, _ in differ[:3]) + (", ..." if len(differ) > 3 else "")
-                raise SyncCheckFailed(
-                    f"weight sync check: engine {i} does not hold the trainer's weights of version {version} "
-                    f"(it holds version {held_version}): "
-                    + (f"{len(differ)} of {len(trainer)} weight groups differ ({groups}), their values' sums by "
-                       f"{sum(abs(d) for _, d in differ):.3g} in all; " if differ else "its weights are the sent ones; ")
-                    + ("a sync sent only what changed" if self.figures.get("sync/sparse") else "a sync sent every weight")
-                    + ". The run stops: the engines would generate with weights the trainer does not have")
+                raise SyncCheckFailed(f"weight sync check: engine {i} does not hold the trainer's weights of version "
+                                      f"{version} (it holds version {held_version}): {self._difference(members[i], differ)}"
+                                      ". The run stops: the engines would generate with weights the trainer does not "
+                                      "have")
         self.figures["sync/check_s"] = time.perf_counter() - start
+
+    def _difference(self, engine, differ: list) -> str:
+        """How far an engine's weights are from the trainer's, in the groups whose fingerprints differ: the sum of
+        |Σ engine's values - Σ trainer's| over them (a second pass, with the values summed, on both sides)."""
+        if not differ:
+            return "its weights are the sent ones"
+        trainer = add_fingerprints(get_all(self.policy.call("weights_fingerprint", True), self.timeout))
+        held = get_all([engine.fingerprint.remote(True)], self.timeout)[0]
+        size = sum(abs(held.get(g, [0, 0.0])[-1] - trainer.get(g, [0, 0.0])[-1]) for g in differ)
+        groups = ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else "")
+        sent = "only the elements that changed" if self.figures.get("sync/sparse") else "every weight"
+        return (f"{len(differ)} of {len(trainer)} weight groups differ ({groups}), their values' sums by {size:.3g} "
+                f"in all (the sync sent {sent})")
 
     def check_engines(self, members: dict, version: int) -> None:
         """The engines' greedy continuations of the fixed probe (PolicyActor.probe_ids), scored by the trainer: each
@@ -212,7 +224,7 @@ class WeightSync:
                 return {}
             if set(members) != self.grouped:
                 members = self._connect(members)
-            get_all(self.policy.call("take_fingerprint"), self.timeout)  # of this attempt alone
+            self._begin_attempt()
             members, complete = self._send(members, version)
             if complete:
                 return self._after(members)
@@ -221,6 +233,11 @@ class WeightSync:
 
     def _before(self, members: dict, pause_mode: str) -> dict:
         return self._pause(members, pause_mode)
+
+    def _begin_attempt(self) -> None:
+        """With LoRA the fingerprint of what rank 0 sends starts afresh: verify compares the completed attempt's."""
+        if self.check:
+            get_all(self.policy.call("begin_sync"), self.timeout)
 
     def _after(self, members: dict) -> dict:
         return self._keep(members, self._call(members, "resume"))
