@@ -99,8 +99,7 @@ def receive_patches(group, bucket: list, device) -> list:
     group.broadcast(positions)
     group.broadcast(values)
     if bitmap:
-        flags = _unpack_bits(positions, sum(numels))
-        indices = [part.nonzero().reshape(-1) for part in flags.split(numels)]
+        indices = _unpack_bits(positions, sum(numels), numels)
     else:
         indices = positions.split(sizes)
     return list(zip(indices, values.split(sizes)))
@@ -110,15 +109,30 @@ _BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _pack_bits(where: torch.Tensor, numel: int, device) -> torch.Tensor:
-    """A bitmap of numel elements (uint8, eight a byte, the first the lowest bit) with those at `where` set."""
+    """A bitmap of numel elements (uint8, eight a byte, the first the lowest bit) with those at `where` set (numpy's
+    packbits on cpu, a pass in C; torch's ops elsewhere)."""
+    if torch.device(device).type == "cpu":
+        import numpy as np
+
+        flags = np.zeros(numel, dtype=bool)
+        flags[where.cpu().numpy()] = True
+        return torch.from_numpy(np.packbits(flags, bitorder="little"))
     flags = torch.zeros((numel + 7) // 8 * 8, dtype=torch.uint8, device=device)
     flags[where] = 1
     return (flags.view(-1, 8) * torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=device)).sum(1, dtype=torch.uint8)
 
 
-def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+def _unpack_bits(packed: torch.Tensor, numel: int, numels: list) -> list:
+    """_pack_bits' other side, split into parts of numels elements: the flat indices set in each."""
+    if packed.device.type == "cpu":
+        import numpy as np
+
+        flags = np.unpackbits(packed.numpy(), count=numel, bitorder="little").view(bool)
+        bounds = np.cumsum([0] + numels)
+        return [torch.from_numpy(np.flatnonzero(flags[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
     bits = torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=packed.device)
-    return ((packed.view(-1, 1) & bits) != 0).reshape(-1)[:numel]
+    flags = ((packed.view(-1, 1) & bits) != 0).reshape(-1)[:numel]
+    return [part.nonzero().reshape(-1) for part in flags.split(numels)]
 
 
 def open_sync_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):

@@ -87,6 +87,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         self.shared = None  # shm: the trainer's file, mapped as bytes
         self.ipc = False  # the weights come as CUDA IPC handles
         self.reloading = self.patched = False  # this update's kind, known from its first bucket
+        self.targets = None  # where patches go directly (_direct_targets), found at an update's first
         self.fault = None  # a fault planted for the next update (plant_fault): the sync check must catch it
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
@@ -116,6 +117,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         """Nothing yet: whole weights go through vLLM's layerwise reload, begun by the first of them (update_weights);
         patches are written in place, outside it (vLLM's rule for sparse updates, checkpoint_weight_patch.py)."""
         self.reloading = self.patched = False
+        self.targets = None  # a reload may have replaced the parameters
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU ("Cannot access accelerator
@@ -163,20 +165,31 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             raise
 
     def _receive_patches(self, bucket: list, load: bool = True, shifted: bool = False) -> None:
-        """One bucket's patches (sync_group.receive_patches), applied in place through the model's own loader
-        (vLLM's load_checkpoint_weight_patches: tensor-parallel shards and packed parameters as a whole weight's)."""
+        """One bucket's patches (sync_group.receive_patches), applied in place. A weight the model holds whole and
+        row-major under its checkpoint name (the vocabulary padded at the end at most), or as a block of rows of a
+        packed parameter (q, k and v in qkv_proj), takes its values where they go; any other goes through the
+        model's own loader: vLLM's load_checkpoint_weight_patches, which writes the elements a patch names and no
+        other, tensor-parallel shards included."""
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
             load_checkpoint_weight_patches,
         )
 
-        patches = []
+        if self.targets is None:
+            self.targets = _direct_targets(self.model, self.parallel_config.tensor_parallel_size)
+        through_loader = []
         for (name, dtype, shape), (indices, values) in zip(bucket, receive_patches(self.group, bucket, self.device)):
             if shifted and indices.numel():
                 indices = (indices + 1) % math.prod(shape)
-            patches.append(CheckpointWeightPatch(name, tuple(shape), DTYPES[dtype], values, indices))
-        if load:
-            load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
+            if not load:
+                continue
+            param, offset, rows = self.targets.get(name, (None, 0, 0))
+            if param is not None and tuple(param.shape[1:]) == tuple(shape[1:]) and shape[0] <= rows:
+                param.data.view(-1)[indices.long() + offset] = values.to(param.dtype)
+            else:
+                through_loader.append(CheckpointWeightPatch(name, tuple(shape), DTYPES[dtype], values, indices))
+        if through_loader:
+            load_checkpoint_weight_patches(self.model, through_loader, validate_unique_indices=False)
         self.patched = True
 
     def _load_shared(self, update_info: BroadcastUpdateInfo) -> None:
@@ -257,6 +270,32 @@ def keep_cpu_weights() -> None:
 
     keeping.keeps_weights = True
     utils.dispatch_cpu_unquantized_gemm = keeping
+
+
+def _direct_targets(model, tensor_parallel: int) -> dict:
+    """{checkpoint name: (parameter, flat offset of its first element there, rows it has there)} for the weights a
+    patch can be written into without the loader: with one tensor-parallel worker, each parameter under its own name
+    (rows: its own), and each part of a packed one (the model's packed_modules_mapping: qkv_proj of q_proj, k_proj and
+    v_proj, stacked by rows in that order, output_sizes rows each)."""
+    if tensor_parallel > 1:
+        return {}
+    targets = {name: (p, 0, p.shape[0] if p.dim() else 1) for name, p in model.named_parameters()
+               if p.is_contiguous() and p.numel()}
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    for module_name, module in model.named_modules():
+        parts = packed.get(module_name.rsplit(".", 1)[-1])
+        sizes = getattr(module, "output_sizes", None)
+        if not parts or not sizes or len(sizes) != len(parts):
+            continue
+        prefix = module_name.rsplit(".", 1)[0]
+        for kind in ("weight", "bias"):
+            param = getattr(module, kind, None)
+            if param is None or not param.is_contiguous() or param.shape[0] != sum(sizes):
+                continue
+            row = param[0].numel()
+            for k, part in enumerate(parts):
+                targets[f"{prefix}.{part}.{kind}"] = (param, sum(sizes[:k]) * row, sizes[k])
+    return targets
 
 
 def _prepare_patched(model) -> None:

@@ -243,9 +243,6 @@ class PolicyActor(DeepSpeedRank):
     def broadcast_weights(self, buckets: list, track: bool = False) -> bool:
         return self.weights.broadcast_weights(buckets, track)
 
-    def changed_elements(self):
-        return self.weights.changed_elements()
-
     def broadcast_patches(self, buckets: list) -> bool:
         return self.weights.broadcast_patches(buckets)
 

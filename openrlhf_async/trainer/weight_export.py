@@ -137,7 +137,8 @@ class WeightExport:
         # The sparse sync's baseline: this rank's part of each weight as the engines hold it since the last sync
         # (owned), kept where the sync keeps one (track); None until a sync of every weight took it.
         self.previous = None
-        self.sent = self.patch_bytes = 0  # the last sync's changed elements and bytes broadcast (rank 0)
+        self.sent = self.patch_bytes = 0  # the last sync's elements and bytes broadcast (rank 0)
+        self.changed = (0, 0)  # the last sync's elements of this rank's parts changed since the one before, of all
         self.fingerprint = {}  # with LoRA, of the merged weights rank 0 sent since begin_sync
 
     def _device(self):
@@ -200,7 +201,6 @@ class WeightExport:
         trainer's own collectives stay in step, and the group is aborted. track: keep this rank's part of every
         weight as the baseline of the next sparse sync (broadcast_patches)."""
         ok = True
-        self.previous = None
         with self.timeline.span("sync"):
             for bucket in buckets:
                 with self.gathered([name for name, _, _ in bucket], True) as values:
@@ -209,8 +209,12 @@ class WeightExport:
                         ok = self._sync_step(self.sync_group.broadcast, flat)
             if self.rank == 0 and ok:
                 ok = self._sync_step(self.sync_group.complete)
-            if track:
-                self.previous = {name: part.clone() for name, (_, part) in self._owned().items()}
+            self.changed = (0, 0)
+            owned = self._owned() if track else {}
+            if track and self.previous is not None:  # how much changed since the last sync: the next one's choice
+                self.changed = (sum(int(_changed(part, self.previous[n]).sum()) for n, (_, part) in owned.items()),
+                                sum(part.numel() for _, part in owned.values()))
+            self.previous = {name: part.clone() for name, (_, part) in owned.items()} if track else None
         self.sent = sum(math.prod(shape) for bucket in buckets for _, _, shape in bucket)
         self.patch_bytes = sum(bytes_of(bucket) for bucket in buckets)
         return ok
@@ -235,15 +239,6 @@ class WeightExport:
                 owned[name] = (share * rank, p.data.reshape(-1)[share * rank : share * (rank + 1)])
         return owned
 
-    def changed_elements(self) -> tuple:
-        """(elements of this rank's parts that differ from the baseline, elements in them), or None without a
-        baseline (the last sync sent no whole weights, or failed): the next sync must then send every weight."""
-        if self.previous is None or self.lora:
-            return None
-        owned = self._owned()
-        changed = sum(int(_changed(part, self.previous[name]).sum()) for name, (_, part) in owned.items())
-        return changed, sum(part.numel() for _, part in owned.values())
-
     def broadcast_patches(self, buckets: list) -> bool:
         """The sparse sync: for each bucket, each rank finds the elements of its parts that changed since the
         baseline (bit for bit, in the dtype the engines hold), rank 0 gathers them (a collective over the trainer's
@@ -253,6 +248,7 @@ class WeightExport:
 
         ok, owned = True, self._owned()
         self.sent = self.patch_bytes = 0
+        self.changed = (0, sum(part.numel() for _, part in owned.values()))
         with self.timeline.span("sync"):
             for bucket in buckets:
                 local = []
@@ -260,6 +256,7 @@ class WeightExport:
                     offset, part = owned[name]
                     where = _changed(part, self.previous[name]).nonzero().reshape(-1)
                     local.append((where + offset, part[where]))
+                    self.changed = (self.changed[0] + len(where), self.changed[1])
                     self.previous[name].copy_(part)
                 patches = _gather_patches(local) if dist.is_initialized() and dist.get_world_size() > 1 else local
                 if self.rank == 0:
@@ -285,8 +282,9 @@ class WeightExport:
         return fingerprint(((name, part, offset) for name, (offset, part) in self._owned().items()), values=values)
 
     def sync_figures(self) -> tuple:
-        """(elements sent, bytes broadcast) by the last sync (rank 0's)."""
-        return self.sent, self.patch_bytes
+        """The last sync's (elements sent, bytes broadcast: rank 0's; elements of this rank's parts changed since the
+        sync before, of how many: 0 of 0 where unknown)."""
+        return self.sent, self.patch_bytes, *self.changed
 
     @staticmethod
     def _sync_step(step, *args) -> bool:

@@ -69,6 +69,7 @@ class WeightSync:
         sparse = cfg.ds.lora_rank == 0 and cfg.dtype != "fp32" and sparse_supported()
         self.sparse_max = cfg.train.weight_sync_sparse_max if sparse else 0.0
         self.holding = set()  # the engines that hold the trainer's baseline (the weights of the last sync)
+        self.changed_fraction = None  # of the elements, at the last sync where it was counted
         self.figures = {}  # the last sync's: sync/sparse, changed_fraction, bytes, check_s
         self.members = self._connect(self.members)
 
@@ -337,22 +338,19 @@ class WeightSync:
 
     def _sparse(self, members: dict) -> bool:
         """Whether this sync sends only what changed: every engine holds the baseline (none joins), and the share of
-        elements that changed since (counted on each rank's part) is at most --train.weight_sync_sparse_max."""
-        self.figures = {"sync/sparse": 0}
+        elements that changed at the last sync (counted on each rank's part as it sent) was at most
+        --train.weight_sync_sparse_max; or is not known yet. A share past it that falls again is seen at the next
+        sync of every weight, which counts it too. Positions go as a bitmap where that is fewer bytes, so a sparse
+        sync of nearly every element sends at most 1/16 more bytes than a whole one."""
         if self.sparse_max <= 0 or not set(members) <= self.holding:
             return False
-        counts = get_all(self.policy.call("changed_elements"), self.timeout)
-        if any(c is None for c in counts):
-            return False
-        fraction = sum(c for c, _ in counts) / max(1, sum(n for _, n in counts))
-        self.figures["sync/changed_fraction"] = fraction
-        return fraction <= self.sparse_max
+        return self.changed_fraction is None or self.changed_fraction <= self.sparse_max
 
     def _send(self, members: dict, version: int) -> tuple:
         """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
         part (rank 0 says whether its broadcasts went through); engines that died or hang are dropped."""
         sparse = self._sparse(members)
-        self.holding = set()
+        self.holding, self.figures = set(), {}
         trainer = (self.policy.call("broadcast_patches", self.buckets) if sparse else
                    self.policy.call("broadcast_weights", self.buckets, self.sparse_max > 0))
         refs = trainer + [submit(e, "receive_weights", self.named_shapes, version, sparse) for e in members.values()]
@@ -363,9 +361,13 @@ class WeightSync:
                 raise error if error is not None else TimeoutError("a trainer rank hangs in the weight broadcast")
         kept = self._keep(members, engines, ("died", "hung"))
         complete = ranks[0][1] and not any(kind == "error" for kind, _ in engines)
-        sent, sent_bytes = get_all(self.policy.call("sync_figures"), self.timeout)[0]
+        figures = get_all(self.policy.call("sync_figures"), self.timeout)
+        (sent, sent_bytes, _, _), changed, of = figures[0], sum(f[2] for f in figures), sum(f[3] for f in figures)
         total = sum(math.prod(shape) for _, _, shape in self.named_shapes)
+        self.changed_fraction = changed / of if of else None
         self.figures.update({"sync/sparse": int(sparse), "sync/bytes": sent_bytes, "sync/sent_fraction": sent / total})
+        if self.changed_fraction is not None:
+            self.figures["sync/changed_fraction"] = self.changed_fraction
         if complete:
             self.holding = set(kept)
         else:
