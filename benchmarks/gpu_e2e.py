@@ -280,9 +280,14 @@ class Harness:
                    if t != a and g <= 2 * tol)
         stale = self.stale_distance(before, version)
         versions_ok = all(v == version for o in outs for v in o["token_versions"])
+        # The weight sync's own check (trainer/weight_sync.py verify): the engine's fingerprint of the weights it
+        # holds equals the trainer's, bit for bit.
+        from openrlhf_async.rollout.sync_group import fingerprint_differences
+
+        differ = fingerprint_differences(self.run(self.engine.fingerprint()), self.actor.weights_fingerprint())
         return {"version": version, "max_logprob_diff": diff, "tolerance": tol, "tokens_wrong": wrong,
-                "tokens_tied": ties, "moved": stale, "versions_ok": versions_ok,
-                "ok": diff <= tol and wrong == 0 and stale > tol and versions_ok}
+                "tokens_tied": ties, "moved": stale, "versions_ok": versions_ok, "groups_differing": len(differ),
+                "ok": diff <= tol and wrong == 0 and stale > tol and versions_ok and not differ}
 
     def stale_distance(self, before: list, version: int) -> float:
         """How far the trainer's new log-probs of the tokens vLLM generated before the transfer lie from the log-probs

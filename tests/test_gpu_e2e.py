@@ -34,8 +34,9 @@ def test_the_harness_runs_the_hybrid_step_and_its_check_catches_an_engine_that_s
     for check in (first, second):
         assert check["ok"], check
         assert check["max_logprob_diff"] <= check["tolerance"] < check["moved"]
-        assert check["tokens_wrong"] == 0 and check["versions_ok"]
+        assert check["tokens_wrong"] == 0 and check["versions_ok"] and check["groups_differing"] == 0
     assert not planted["ok"] and planted["max_logprob_diff"] > planted["tolerance"], planted
+    assert planted["groups_differing"] > 0, "the sync check (fingerprints) sees the unloaded buckets too"
     order = ["generate", "sleep", "reload", "train", "offload", "wake weights", "transfer", "wake kv_cache"]
     for step in result["steps"]:
         assert list(step) == order

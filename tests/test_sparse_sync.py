@@ -16,6 +16,7 @@ from openrlhf_async.rollout.sync_group import (
     fingerprint_differences,
     receive_patches,
     send_patches,
+    workers_fingerprint,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,10 +39,12 @@ def test_the_fingerprint_is_the_same_however_a_weight_is_packed_sharded_or_parti
     # vLLM: q, k and v packed into one parameter, split over two tensor-parallel workers by rows; a vocabulary
     # padded with zeros
     packed = torch.cat([q, k, v])
-    workers = [fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[:12])]),
-               fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[12:]),
-                            ("model.norm.weight", torch.cat([norm, torch.zeros(4, dtype=torch.bfloat16)]))])]
-    assert add_fingerprints(workers) == checkpoint
+    padded = torch.cat([norm, torch.zeros(4, dtype=torch.bfloat16)])
+    workers = [fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[:12]), ("model.norm.weight", padded)],
+                           group=str),
+               fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[12:]), ("model.norm.weight", padded)],
+                           group=str)]  # the norm whole on each worker: counted once
+    assert workers_fingerprint(workers) == checkpoint
     # ZeRO-3: each rank's partition of the flat weight, starting mid-word
     parts = [fingerprint([(name, t.reshape(-1)[a:b], a)]) for name, t in (
         ("model.layers.3.self_attn.q_proj.weight", q), ("model.layers.3.self_attn.k_proj.weight", k),
@@ -130,12 +133,16 @@ def test_after_many_sparse_syncs_and_a_partial_rollout_across_them_the_engine_ho
     cfg, policy, engine = bf16_stack
     prompts = _prompt_ids(tiny_model_path, 6)
     sync = WeightSync(policy, [engine], cfg)
-    sync.sync()
-    assert sync.figures["sync/sparse"] == 0, "the first sync sends every weight"
+    for _ in range(2):  # the first two syncs send every weight: the second learns how much a step changes
+        sync.sync()
+        assert sync.figures["sync/sparse"] == 0
+        _train(policy, cfg, prompts)
+    assert 0 < sync.changed_fraction < cfg.train.weight_sync_sparse_max
     whole = sync.figures["sync/bytes"]
     frozen = None
     for step in range(8):
-        _train(policy, cfg, prompts)
+        if step:
+            _train(policy, cfg, prompts)
         if step == 3:  # an episode frozen mid-generation across this sync (partial rollout) goes on after it
             long = {"temperature": 1.0, "max_tokens": 64, "ignore_eos": True, "seed": 5}
             with hold_steps([engine]):
@@ -151,11 +158,11 @@ def test_after_many_sparse_syncs_and_a_partial_rollout_across_them_the_engine_ho
         assert 0 < figures["sync/changed_fraction"] < cfg.train.weight_sync_sparse_max
         assert figures["sync/bytes"] < whole / 5, (figures["sync/bytes"], whole)
     _plain_weights_equal(policy, engine)
-    assert ray.get(engine.get_weight_version.remote()) == sync.version == 9
+    assert ray.get(engine.get_weight_version.remote()) == sync.version == 10
 
     out = ray.get(frozen)
     versions = out["token_versions"]
-    assert frozen_at == HELD_AT + 1 and versions.index(5) == frozen_at and versions[-1] == 5, versions
+    assert frozen_at == HELD_AT + 1 and versions.index(6) == frozen_at and versions[-1] == 6, versions
 
     # vLLM's greedy tokens and log-probs are the trainer's, within bf16's rounding (benchmarks/gpu_e2e.py)
     shape = ray.get(policy.actors[0].__ray_call__.remote(lambda a: a.engine.module.config.to_dict()))
@@ -175,6 +182,8 @@ def test_a_planted_fault_is_caught_at_the_sync_where_it_happens_in_one_line(bf16
     prompts = _prompt_ids(tiny_model_path, 6)
     sync = WeightSync(policy, [engine], cfg)
     sync.sync()
+    _train(policy, cfg, prompts)
+    sync.sync()  # the share of elements a step changes is known from here on: a sync may send only those
     for kind in ("drop_bucket", "skip_load", "wrong_indices", "stale") if sparse else ("drop_bucket", "stale"):
         _train(policy, cfg, prompts)
         if not sparse:

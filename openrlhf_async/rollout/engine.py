@@ -357,9 +357,9 @@ class LLMRayActorAsync:
 
     async def fingerprint(self, values: bool = False) -> dict:
         """The fingerprint of the weights this engine holds (sync_group.fingerprint), its workers' added up."""
-        from openrlhf_async.rollout.sync_group import add_fingerprints
+        from openrlhf_async.rollout.sync_group import workers_fingerprint
 
-        return add_fingerprints(await self.engine.collective_rpc("fingerprint", args=(values,)))
+        return workers_fingerprint(await self.engine.collective_rpc("fingerprint", args=(values,)))
 
     async def plant_sync_fault(self, kind: str) -> None:
         """For the sync check's tests and benchmarks: the next weight update goes wrong ("drop_bucket",

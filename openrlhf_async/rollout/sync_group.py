@@ -305,14 +305,15 @@ def fingerprint_group(name: str) -> str:
     return f"layers.{match.group(1)}" if match else "rest"
 
 
-def fingerprint(items, into: dict = None, values: bool = False) -> dict:
+def fingerprint(items, into: dict = None, values: bool = False, group=fingerprint_group) -> dict:
     """{group: [Σ words mod 2^64] (and Σ values)} of (name, tensor) or (name, tensor, index of its first element in
     the whole weight) items, tensors in the engines' dtype, added to into: the fingerprints of a weight's parts (ranks'
-    partitions, tensor-parallel shards) add up to the whole's."""
+    partitions, tensor-parallel shards) add up to the whole's. group: the key a name's sums go to (by parameter:
+    str)."""
     into = {} if into is None else into
     for name, tensor, *start in items:
         flat = tensor.detach().reshape(-1)
-        sums = into.setdefault(fingerprint_group(name), [0, 0.0] if values else [0])
+        sums = into.setdefault(group(name), [0, 0.0] if values else [0])
         sums[0] = (sums[0] + _word_sum(flat, start[0] if start else 0)) % _WORD
         if values:
             sums[1] += float(flat.sum(dtype=torch.float64))
@@ -339,6 +340,23 @@ def _word_sum(flat: torch.Tensor, start: int) -> int:
 def _element_word(bits: int, index: int, width: int) -> int:
     """An element's share of its word: its bit pattern (unsigned) at its place in the word (little-endian)."""
     return (bits % (1 << (8 * width))) << (8 * width * (index % (8 // width)))
+
+
+def workers_fingerprint(workers: list) -> dict:
+    """An engine's fingerprint from its tensor-parallel workers' fingerprints by parameter: a parameter whose sums
+    are the same on every worker is held whole by each (a norm's weight, a row-parallel layer's bias) and counts once;
+    any other is split across them, and its parts add up. (Two different shards with equal 64-bit sums would count
+    once: as likely as a collision of random 64-bit numbers; a worker whose copy of a whole weight differs makes the
+    sums differ, and the check fails.)"""
+    total = {}
+    for name in workers[0]:
+        parts = [w[name] for w in workers if name in w]
+        whole = parts[0] if all(p[0] == parts[0][0] for p in parts) else add_fingerprints([{0: p} for p in parts])[0]
+        into = total.setdefault(fingerprint_group(name), [0] * len(whole))
+        into[0] = (into[0] + whole[0]) % _WORD
+        for k in range(1, len(whole)):
+            into[k] += whole[k]
+    return total
 
 
 def add_fingerprints(parts) -> dict:

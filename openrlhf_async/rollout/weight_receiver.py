@@ -16,17 +16,11 @@ class WeightReceiver:
         return weight.numpy().tobytes(), list(weight.shape)
 
     def fingerprint(self, values: bool = False) -> dict:
-        """This worker's weights' fingerprint (sync_group.fingerprint): what the weight sync is checked with. With
-        tensor parallelism a weight every worker holds whole (a norm's) counts on the first worker only, so the
-        workers' fingerprints add up to the model's."""
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
+        """This worker's fingerprint of the weights it holds, by parameter (sync_group.fingerprint): what the
+        weight sync is checked with. The engine adds its workers' up (sync_group.workers_fingerprint)."""
         from openrlhf_async.rollout.sync_group import fingerprint
 
-        first = get_tensor_model_parallel_world_size() == 1 or get_tensor_model_parallel_rank() == 0
-        held = [(name, p) for name, p in self.model_runner.model.named_parameters()
-                if first or getattr(p, "output_dim", None) is not None or getattr(p, "input_dim", None) is not None]
-        return fingerprint(held, values=values)
+        return fingerprint(self.model_runner.model.named_parameters(), values=values, group=str)
 
     def plant_sync_fault(self, kind: str) -> None:
         self.weight_transfer_engine.plant_fault(kind)

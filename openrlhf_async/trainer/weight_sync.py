@@ -338,13 +338,12 @@ class WeightSync:
 
     def _sparse(self, members: dict) -> bool:
         """Whether this sync sends only what changed: every engine holds the baseline (none joins), and the share of
-        elements that changed at the last sync (counted on each rank's part as it sent) was at most
-        --train.weight_sync_sparse_max; or is not known yet. A share past it that falls again is seen at the next
-        sync of every weight, which counts it too. Positions go as a bitmap where that is fewer bytes, so a sparse
-        sync of nearly every element sends at most 1/16 more bytes than a whole one."""
+        elements that changed at the last sync was at most --train.weight_sync_sparse_max: counted on each rank's
+        parts as a sparse sync sends, estimated from a sample at a sync of every weight. Not known (the first sync
+        after the engines loaded, after one that failed): every weight, and the share is known at the next."""
         if self.sparse_max <= 0 or not set(members) <= self.holding:
             return False
-        return self.changed_fraction is None or self.changed_fraction <= self.sparse_max
+        return self.changed_fraction is not None and self.changed_fraction <= self.sparse_max
 
     def _send(self, members: dict, version: int) -> tuple:
         """One broadcast: (the members that got every bucket, whether all did). The trainer ranks always finish their
