@@ -18,8 +18,9 @@ import tempfile
 # The preset's batch shrunk: two prompts of four samples, 48 new tokens. Dynamic filtering off, so every step trains
 # whatever the rewards (a flat batch would otherwise wait for varied groups, and a sync for it).
 SMALL = ("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "8",
-         "--rollout.vllm_generate_batch_size", "2", "--rollout.max_new_tokens", "48", "--rollout.skip_flat_prompts", "0",
-         "--no-algo.dynamic_filtering_enable", "--ckpt.save_steps", "-1", "--eval.steps", "-1")
+         "--rollout.vllm_generate_batch_size", "2", "--rollout.max_new_tokens", "48",
+         "--rollout.skip_flat_prompts", "0", "--no-algo.dynamic_filtering_enable", "--ckpt.save_steps", "-1",
+         "--eval.steps", "-1")
 
 
 def run(model: str, lr: str, sparse: bool, steps: int, out_dir: str) -> list:

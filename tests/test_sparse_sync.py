@@ -34,7 +34,8 @@ def test_the_fingerprint_is_the_same_however_a_weight_is_packed_sharded_or_parti
     torch.manual_seed(0)
     q, k, v = ((torch.randn(8, 12) * 0.05).to(torch.bfloat16) for _ in range(3))
     norm = torch.randn(12).to(torch.bfloat16)
-    checkpoint = fingerprint([("model.layers.3.self_attn.q_proj.weight", q), ("model.layers.3.self_attn.k_proj.weight", k),
+    checkpoint = fingerprint([("model.layers.3.self_attn.q_proj.weight", q),
+                              ("model.layers.3.self_attn.k_proj.weight", k),
                               ("model.layers.3.self_attn.v_proj.weight", v), ("model.norm.weight", norm)])
     # vLLM: q, k and v packed into one parameter, split over two tensor-parallel workers by rows; a vocabulary
     # padded with zeros

@@ -143,10 +143,10 @@ class WeightSync:
             differ = fingerprint_differences(fingerprint, trainer)
             if differ or held_version != version:
                 self.holding = set()  # a sync after this one (a test's, a caller's that recovers) sends every weight
+                how = self._difference(members[i], differ)
                 raise SyncCheckFailed(f"weight sync check: engine {i} does not hold the trainer's weights of version "
-                                      f"{version} (it holds version {held_version}): {self._difference(members[i], differ)}"
-                                      ". The run stops: the engines would generate with weights the trainer does not "
-                                      "have")
+                                      f"{version} (it holds version {held_version}): {how}. The run stops: the engines "
+                                      "would generate with weights the trainer does not have")
         self.figures["sync/check_s"] = time.perf_counter() - start
 
     def _difference(self, engine, differ: list) -> str:
