@@ -683,6 +683,7 @@ class _Sync:
         self.engines, self.version, self.engine_version, self.fleet, self.engines_dropped = [], 0, 0, None, 0
         self.drain_frozen = self.broadcasts_failed = 0  # counters the trainer reads
         self.check = False  # no probe check (LoRA only)
+        self.figures = {}  # a sync's figures (sparse, bytes, the check's seconds): none here
 
     def catch_up(self):
         return 0

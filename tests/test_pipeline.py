@@ -196,6 +196,7 @@ class _CountingSync:
         self.engines, self.version, self.engine_version, self.pause_modes = [], 0, 0, []
         self.fleet, self.engines_dropped, self.drain_frozen, self.broadcasts_failed = None, 0, 0, 0  # fixed engines
         self.check = False  # no probe check (LoRA only)
+        self.figures = {}  # a sync's figures (sparse, bytes, the check's seconds): none here
 
     def catch_up(self):
         return 0

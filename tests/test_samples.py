@@ -201,6 +201,7 @@ class _ListQueue:
 class _Sync:
     engines, version, engine_version, fleet, engines_dropped, drain_frozen, broadcasts_failed = [], 0, 0, None, 0, 0, 0
     check = False  # no probe check (LoRA only)
+    figures = {}  # a sync's figures (sparse, bytes, the check's seconds): none here
 
     def catch_up(self):
         return 0
