@@ -123,10 +123,6 @@ def _gather_patches(local: list) -> list:
             for k in range(len(local))]
 
 
-def _raise(error: Exception) -> None:
-    raise error
-
-
 class WeightExport:
     """One policy rank's weights as the engines load them, and its part in each transport."""
 
@@ -278,11 +274,10 @@ class WeightExport:
                 patches = _gather_patches(local) if dist.is_initialized() and dist.get_world_size() > 1 else local
                 if self.rank == 0:
                     self.sent += sum(len(i) for i, _ in patches)
-                    if ok:
-                        try:
-                            self.patch_bytes += send_patches(self.sync_group, bucket, patches, self._device())
-                        except Exception as e:
-                            ok = self._sync_step(_raise, e)
+                    sent = []
+                    ok = ok and self._sync_step(
+                        lambda: sent.append(send_patches(self.sync_group, bucket, patches, self._device())))
+                    self.patch_bytes += sum(sent)
             if self.rank == 0 and ok:
                 ok = self._sync_step(self.sync_group.complete)
         return ok
