@@ -774,6 +774,14 @@ class Config:
     def dtype(self) -> str:
         return self.ds.param_dtype
 
+    @property
+    def sparse_sync(self) -> bool:
+        """Whether a weight sync may send only the elements that changed (--train.weight_sync_sparse_max): not in
+        fp32 (Adam moves every element every step), with LoRA (a merged weight changes whole with its adapter), or on
+        the hybrid engine (its transfer stays on each device)."""
+        return (self.train.weight_sync_sparse_max > 0 and self.dtype != "fp32" and not self.ds.lora_rank
+                and not self.hybrid)
+
     def budget(self, prompt_len: int) -> int:
         """A prompt's response budget: --rollout.max_new_tokens, within --data.max_len with the prompt."""
         room = self.data.max_len - prompt_len

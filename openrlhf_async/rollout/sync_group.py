@@ -73,14 +73,15 @@ def send_patches(group, bucket: list, patches: list, device) -> int:
     elements (1 bit each: past 1 in 32 elements changed). Returns the bytes sent."""
     counts = [len(indices) for indices, _ in patches]
     numels = [math.prod(shape) for _, _, shape in bucket]
-    bitmap = sum(numels) < 32 * sum(counts) * patch_index_dtype(bucket).itemsize // 4
+    index_dtype = patch_index_dtype(bucket)
+    bitmap = sum(numels) < 32 * sum(counts) * index_dtype.itemsize // 4
     header = torch.tensor(counts + [int(bitmap)], dtype=torch.int64, device=device)
     if bitmap:
         offsets = torch.tensor([0] + numels[:-1], device=device).cumsum(0)
         where = torch.cat([i.to(device, torch.int64) + o for (i, _), o in zip(patches, offsets)])
         positions = _pack_bits(where, sum(numels), device)
     else:
-        positions = torch.cat([i.to(device, patch_index_dtype(bucket)) for i, _ in patches])
+        positions = torch.cat([i.to(device, index_dtype) for i, _ in patches])
     values = torch.cat([v.to(device, DTYPES[bucket[0][1]]) for _, v in patches])
     for tensor in (header, positions, values):
         group.broadcast(tensor)
@@ -99,7 +100,7 @@ def receive_patches(group, bucket: list, device) -> list:
     group.broadcast(positions)
     group.broadcast(values)
     if bitmap:
-        indices = _unpack_bits(positions, sum(numels), numels)
+        indices = _unpack_bits(positions, numels)
     else:
         indices = positions.split(sizes)
     return list(zip(indices, values.split(sizes)))
@@ -122,8 +123,9 @@ def _pack_bits(where: torch.Tensor, numel: int, device) -> torch.Tensor:
     return (flags.view(-1, 8) * torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=device)).sum(1, dtype=torch.uint8)
 
 
-def _unpack_bits(packed: torch.Tensor, numel: int, numels: list) -> list:
+def _unpack_bits(packed: torch.Tensor, numels: list) -> list:
     """_pack_bits' other side, split into parts of numels elements: the flat indices set in each."""
+    numel = sum(numels)
     if packed.device.type == "cpu":
         import numpy as np
 
@@ -325,10 +327,7 @@ def _word_sum(flat: torch.Tensor, start: int) -> int:
     per = 8 // width
     head = min((-start) % per, flat.numel())
     body = (flat.numel() - head) // per * per
-    total = sum(_element_word(v, start + i, width) for i, v in enumerate(flat[:head].view(_UNSIGNED[width]).tolist()))
-    tail = flat[head + body :]
-    total += sum(_element_word(v, start + head + body + i, width)
-                 for i, v in enumerate(tail.view(_UNSIGNED[width]).tolist()))
+    total = _edge_sum(flat[:head], start) + _edge_sum(flat[head + body :], start + head + body)
     if body:
         words = flat[head : head + body]
         if words.storage_offset() % per:  # not on an 8-byte boundary of its storage: a copy that is
@@ -337,9 +336,12 @@ def _word_sum(flat: torch.Tensor, start: int) -> int:
     return total % _WORD
 
 
-def _element_word(bits: int, index: int, width: int) -> int:
-    """An element's share of its word: its bit pattern (unsigned) at its place in the word (little-endian)."""
-    return (bits % (1 << (8 * width))) << (8 * width * (index % (8 // width)))
+def _edge_sum(part: torch.Tensor, start: int) -> int:
+    """Elements outside whole words, one by one: each one's bit pattern (unsigned) at its place in its word
+    (little-endian), element start + i at place (start + i) mod the elements a word holds."""
+    width = part.element_size()
+    return sum((bits % (1 << (8 * width))) << (8 * width * ((start + i) % (8 // width)))
+               for i, bits in enumerate(part.view(_UNSIGNED[width]).tolist()))
 
 
 def workers_fingerprint(workers: list) -> dict:
@@ -348,15 +350,12 @@ def workers_fingerprint(workers: list) -> dict:
     any other is split across them, and its parts add up. (Two different shards with equal 64-bit sums would count
     once: as likely as a collision of random 64-bit numbers; a worker whose copy of a whole weight differs makes the
     sums differ, and the check fails.)"""
-    total = {}
+    wholes = []
     for name in workers[0]:
         parts = [w[name] for w in workers if name in w]
         whole = parts[0] if all(p[0] == parts[0][0] for p in parts) else add_fingerprints([{0: p} for p in parts])[0]
-        into = total.setdefault(fingerprint_group(name), [0] * len(whole))
-        into[0] = (into[0] + whole[0]) % _WORD
-        for k in range(1, len(whole)):
-            into[k] += whole[k]
-    return total
+        wholes.append({fingerprint_group(name): whole})
+    return add_fingerprints(wholes)
 
 
 def add_fingerprints(parts) -> dict:

@@ -131,8 +131,7 @@ def setup_of(cfg) -> Setup:
                  trainer_sleep=cfg.ds.enable_sleep, lora_rank=cfg.ds.lora_rank,
                  lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
                  top_p=cfg.rollout.top_p,
-                 sparse_sync=(cfg.train.weight_sync_sparse_max > 0 and cfg.dtype != "fp32" and not cfg.hybrid
-                              and not cfg.ds.lora_rank))
+                 sparse_sync=cfg.sparse_sync)
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:

@@ -64,10 +64,8 @@ class WeightSync:
         self.tolerance = 1e-3 if cfg.dtype == "fp32" else 5e-2
         self.probe = ray.get(policy.actors[0].probe_ids.remote()) if self.check else None
         self.probe_diff = self.probe_adapter_effect = None  # the last check's figures
-        # Sparse syncs: past this share of changed elements a sync sends every weight. Off with LoRA (a merged
-        # weight changes whole with its adapter) and in fp32 (Adam moves every element every step).
-        sparse = cfg.ds.lora_rank == 0 and cfg.dtype != "fp32" and sparse_supported()
-        self.sparse_max = cfg.train.weight_sync_sparse_max if sparse else 0.0
+        # Sparse syncs: past this share of changed elements a sync sends every weight (Config.sparse_sync).
+        self.sparse_max = cfg.train.weight_sync_sparse_max if cfg.sparse_sync and sparse_supported() else 0.0
         self.holding = set()  # the engines that hold the trainer's baseline (the weights of the last sync)
         self.changed_fraction = None  # of the elements, at the last sync where it was counted
         self.figures = {}  # the last sync's: sync/sparse, changed_fraction, bytes, check_s
