@@ -79,6 +79,14 @@ def _weights(path: str) -> dict:
     pytest.param(("--ds.packing_samples", "--actor.logprobs_chunk_size", "7"), id="packed"),
     pytest.param(("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40", "--rollout.max_tokens_per_gpu",
                   "30"), id="token-budget-packed"),
+    # Both ranks share every packed row, each running the model on half its tokens (trainer/sequence_parallel.py).
+    pytest.param(("--ds.ring_attn_size", "2", "--actor.logprobs_chunk_size", "7"), id="sequence-parallel"),
+    pytest.param(("--ds.ring_attn_size", "2", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "20",
+                  "--actor.gradient_checkpointing_enable"), id="sequence-parallel-token-budget-checkpointed"),
+    pytest.param(("--actor.num_gpus_per_node", "4", "--ds.ring_attn_size", "4"), id="sequence-parallel-4"),
+    # Two data-parallel groups of 2, with uneven samples (the group of rank 0 gets the long ones).
+    pytest.param(("--actor.num_gpus_per_node", "4", "--ds.ring_attn_size", "2"),
+                 id="sequence-parallel-2x2"),
 ])
 def test_a_zero3_step_on_uneven_masked_data_with_tis_and_kl_moves_every_weight_as_one_process_would(
         ray_cluster, tiny_model_path, tmp_path, layout):
@@ -91,7 +99,7 @@ def test_a_zero3_step_on_uneven_masked_data_with_tis_and_kl_moves_every_weight_a
     from openrlhf_async.trainer.ranks import PolicyGroup, loss_settings
 
     cfg = preset_config(*EXACT_STEP, *layout)
-    assert cfg.ds.zero_stage == 3 and cfg.actor.world_size == 2
+    assert cfg.ds.zero_stage == 3 and cfg.actor.world_size in (2, 4)
     policy = PolicyGroup(cfg, tiny_model_path)
     samples = _uneven_samples()
     try:

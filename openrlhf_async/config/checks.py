@@ -436,6 +436,18 @@ def _validate_deepspeed(cfg: Config) -> None:
     if cfg.ds.adam_offload and stage == 0:
         raise ConfigError("--ds.adam_offload needs --ds.zero_stage 1, 2 or 3: ZeRO-Offload moves the ZeRO optimizer's "
                           "state, and stage 0 has no ZeRO optimizer")
+    n = cfg.ds.ring_attn_size
+    if n > 1:
+        ranks = [("--actor", cfg.actor)] + ([("--critic", cfg.critic)] if cfg.algo.advantage_estimator == "gae" else [])
+        for flag, role in ranks:
+            if role.world_size % n:
+                raise ConfigError(f"--ds.ring_attn_size {n} must divide the {flag[2:]}'s ranks ({flag}.num_nodes "
+                                  f"{role.num_nodes} x {flag}.num_gpus_per_node {role.num_gpus_per_node} = "
+                                  f"{role.world_size}): each group of {n} ranks shares a packed row")
+        if not cfg.ds.packing_samples:
+            notice(f"--ds.ring_attn_size {n} turns on --ds.packing_samples: a packed row is what its ranks share "
+                   "(OpenRLHF refuses ring attention without it)")
+            cfg.ds.packing_samples = True
     if cfg.ref.offload and cfg.algo.kl_init_coef == 0:
         notice("--ref.offload has no effect with --algo.kl.init_coef 0: no reference model is loaded")
     elif cfg.ref.offload and stage != 3:

@@ -587,9 +587,12 @@ class DSConfig:
                                         openrlhf="refused: DeepSpeed AutoTP is not built, so each rank would hold the "
                                                  "whole model's activations and run out of memory later; shard with "
                                                  "--ds.zero_stage 3 over more ranks")
-    ring_attn_size: int = setting(1, "ring attention group size",
-                                  openrlhf="refused: ring attention is not built, so a context sized for it would "
-                                           "run out of memory later; lower --data.max_len")
+    ring_attn_size: int = setting(1, "sequence parallelism: ranks that share each packed row, each running the "
+                                     "model on its 1/N of the tokens (trainer/sequence_parallel.py); turns on "
+                                     "--ds.packing_samples", range=">= 1",
+                                  openrlhf="differs: the row is split alike, and attention runs as DeepSpeed-Ulysses' "
+                                           "all-to-all over the heads with torch's sdpa (any device, gloo or nccl) "
+                                           "in place of ring-flash-attn's ring")
     ring_attn_head_stride: int = setting(1, "ring attention heads per step", openrlhf=_SPEED_ONLY)
     use_liger_kernel: bool = setting(False, "Liger kernels", openrlhf=_SPEED_ONLY)
     deepcompile: bool = setting(False, "DeepSpeed DeepCompile", openrlhf=_SPEED_ONLY)

@@ -6,7 +6,7 @@ one packed row (--ds.packing_samples) whose samples restart their positions at 0
 each sample (transformers reads the packing from the position ids: sdpa on CPU, flash attention on GPU).
 Whatever the layout, the log-probs come back as one right-padded row per sample, so the loss never sees it."""
 
-from contextlib import contextmanager
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -125,7 +125,7 @@ def _logprobs_of_logits(logits, targets, temperature: float, entropy: bool, top_
     return (picked, token_entropy(logits, temperature)) if entropy else (picked,)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _head_yields_logprobs(head: torch.nn.Linear, targets, temperature: float, chunk: int, entropy: bool,
                           top_p: float = 1.0):
     """For one forward pass, the output layer returns [R, L, 1 or 2]: each position's target log-prob (and
@@ -154,25 +154,46 @@ def _head_yields_logprobs(head: torch.nn.Linear, targets, temperature: float, ch
         del head.forward
 
 
+def row_inputs(layout: Layout, sequence=None) -> tuple:
+    """The model's keyword arguments for a micro batch, each position's target (position t predicts token t + 1; the
+    last position a stand-in), the forward's context, and `finish`: [R, positions] values -> [R, L - 1], the target
+    positions'. With sequence (a sequence_parallel.SequenceGroup; a packed layout) this rank's slice of the row, whose
+    values `finish` gathers along it."""
+    from openrlhf_async.trainer.sequence_parallel import sharded_forward
+
+    ids, position_ids = layout.ids, layout.position_ids
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+    extra, context = {}, contextlib.nullcontext()
+    if sequence is not None:
+        ids, position_ids, targets, extra["segments"] = sequence.split(ids, position_ids, targets)
+        context = sharded_forward()
+    # No KV cache: a training forward needs none, and transformers reads the packing only without one.
+    inputs = dict(input_ids=ids, attention_mask=layout.attention_mask, position_ids=position_ids, use_cache=False,
+                  **extra)
+    width = layout.ids.shape[1] - 1
+
+    def finish(values: torch.Tensor) -> torch.Tensor:
+        return (values if sequence is None else sequence.gather(values))[:, :width]
+
+    return inputs, targets, context, finish
+
+
 def target_logprobs(model, layout: Layout, temperature: float, chunk: int = 0, entropy: bool = False,
-                    top_p: float = 1.0):
+                    top_p: float = 1.0, sequence=None):
     """Log-probs of each sample's next tokens under `model` (an HF causal LM, or a DeepSpeed engine around one), one
     right-padded row per sample ([B, T]), and their distributions' entropies (None unless asked). top_p < 1: of the
-    nucleus distribution the rollout sampled from (losses.top_p_logits).
+    nucleus distribution the rollout sampled from (losses.top_p_logits). sequence: the row split across this rank's
+    sequence-parallel group (row_inputs).
 
     chunk > 0: the logits of `chunk` positions at a time, so that a micro batch never holds its whole
     vocabulary-wide fp32 logits (at 8B, about 2 MB per token)."""
     module = getattr(model, "module", model)
-    # No KV cache: a training forward needs none, and transformers reads the packing only without one.
-    inputs = dict(input_ids=layout.ids, attention_mask=layout.attention_mask, position_ids=layout.position_ids,
-                  use_cache=False)
-    targets = layout.ids[:, 1:]
-    if chunk <= 0 or not _plain_head(module):
-        out = _logprobs_of_logits(model(**inputs).logits[:, :-1], targets, temperature, entropy, top_p)
-    else:
-        # The last position predicts nothing here: a stand-in target, dropped below.
-        padded = torch.nn.functional.pad(targets, (0, 1))
-        with _head_yields_logprobs(module.get_output_embeddings(), padded, temperature, chunk, entropy, top_p):
-            columns = model(**inputs).logits[:, :-1]
-        out = columns.unbind(-1)
+    inputs, targets, context, finish = row_inputs(layout, sequence)
+    with context:
+        if chunk <= 0 or not _plain_head(module):
+            out = _logprobs_of_logits(model(**inputs).logits, targets, temperature, entropy, top_p)
+        else:
+            with _head_yields_logprobs(module.get_output_embeddings(), targets, temperature, chunk, entropy, top_p):
+                out = model(**inputs).logits.unbind(-1)
+    out = [finish(o) for o in out]
     return layout.per_sample(out[0]), (layout.per_sample(out[1]) if entropy else None)

@@ -7,7 +7,7 @@ the policy's group."""
 import torch
 
 from openrlhf_async.models.value import build_value_model
-from openrlhf_async.trainer.batching import Layout, sample_length
+from openrlhf_async.trainer.batching import Layout, row_inputs, sample_length
 from openrlhf_async.trainer.losses import aggregate, value_loss
 from openrlhf_async.trainer.rank import EMPTY_SAMPLE, DeepSpeedRank
 from openrlhf_async.trainer.ranks import RankGroup, ds_settings, model_settings, optimizer_settings
@@ -28,9 +28,11 @@ class CriticActor(DeepSpeedRank):
     def _values(self, samples: list, layout: dict) -> torch.Tensor:
         """[B, T] values at each sample's target positions (position t is the state before token t + 1)."""
         inputs = Layout.of(samples, layout["packing"]).to(self._device())
-        values = self.engine(input_ids=inputs.ids, attention_mask=inputs.attention_mask,
-                             position_ids=inputs.position_ids)
-        return inputs.per_sample(values[:, :-1].float())
+        model_inputs, _, context, finish = row_inputs(inputs, self.sequence)
+        model_inputs.pop("use_cache")
+        with context:
+            values = self.engine(**model_inputs)
+        return inputs.per_sample(finish(values.float()))
 
     @torch.no_grad()
     def values(self, micro_batches: list, layout: dict) -> list:

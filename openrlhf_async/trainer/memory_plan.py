@@ -107,6 +107,7 @@ class Setup:
     bucket_bytes: int = 64 << 20  # --train.weight_sync_bucket_mb
     top_p: float = 1.0  # --rollout.top_p: the policy's log-probs are of the nucleus distribution
     sparse_sync: bool = False  # sparse weight syncs: each rank keeps its part of the weights of the last sync
+    sequence_parallel: int = 1  # --ds.ring_attn_size: ranks sharing each packed row (train_tokens: this rank's share)
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -116,9 +117,13 @@ def setup_of(cfg) -> Setup:
     """The largest micro batch: a token budget (a longer sample alone makes one) or micro_batch_size padded rows."""
     from openrlhf_async.config import attn_implementation
 
-    t, r, longest = cfg.train, cfg.rollout, cfg.data.max_len
-    train = max(t.max_tokens_per_gpu, longest) if t.dynamic_batch_enable else t.micro_batch_size * longest
-    logprob = max(r.max_tokens_per_gpu or 0, longest) if t.dynamic_batch_enable else r.micro_batch_size * longest
+    t, r, longest, n = cfg.train, cfg.rollout, cfg.data.max_len, cfg.ds.ring_attn_size
+    # A rank's share of its group's largest row (--ds.ring_attn_size; the budgets are per GPU): a sample longer than
+    # the budgets makes a micro batch alone, split n ways like any other.
+    share = -(-longest // n)
+    train = max(t.max_tokens_per_gpu, share) if t.dynamic_batch_enable else -(-t.micro_batch_size * longest // n)
+    logprob = (max(r.max_tokens_per_gpu or 0, share) if t.dynamic_batch_enable
+               else -(-r.micro_batch_size * longest // n))
     return Setup(ranks=cfg.actor.world_size, zero_stage=cfg.ds.zero_stage, dtype_bytes=DTYPE_BYTES[cfg.dtype],
                  adam_offload=cfg.ds.adam_offload, reference=cfg.algo.kl_init_coef > 0, ref_offload=cfg.ref.offload,
                  checkpointing=cfg.actor.gradient_checkpointing_enable, train_tokens=train, logprob_tokens=logprob,
@@ -130,8 +135,7 @@ def setup_of(cfg) -> Setup:
                  engine_sleep=cfg.vllm.enable_sleep, cuda_graphs=not cfg.vllm.enforce_eager,
                  trainer_sleep=cfg.ds.enable_sleep, lora_rank=cfg.ds.lora_rank,
                  lora_targets=cfg.ds.lora_target_modules, bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
-                 top_p=cfg.rollout.top_p,
-                 sparse_sync=cfg.sparse_sync)
+                 top_p=cfg.rollout.top_p, sparse_sync=cfg.sparse_sync, sequence_parallel=n)
 
 
 def layer_activation_bytes(m: ModelShape, b: int) -> int:
@@ -153,10 +157,21 @@ def logits_bytes(m: ModelShape, positions: int, b: int, backward: bool, nucleus:
 
 def mask_bytes(s: Setup, tokens: int) -> int:
     """sdpa's attention mask: packed samples get a boolean [T, T] one (padded rows an [L, L] one each), which torch
-    turns into a float one of the model's dtype; measured on CPU, one of each is live at a time."""
-    if not s.masked:
+    turns into a float one of the model's dtype; measured on CPU, one of each is live at a time. A row split across
+    ranks (sequence parallelism) has none: each of its samples attends causally alone."""
+    if not s.masked or s.sequence_parallel > 1:
         return 0
     return (tokens * tokens if s.packed else tokens * s.longest) * (1 + s.dtype_bytes)
+
+
+def sequence_exchange_bytes(m: ModelShape, s: Setup, tokens: int) -> int:
+    """Sequence parallelism's all-to-alls around one layer's attention, per rank: a send and a receive buffer of its
+    tokens' queries, keys, values (repeated to the query heads where they do not split n ways) and output, heads
+    padded to a multiple of n."""
+    n = s.sequence_parallel
+    heads = -(-m.heads // n) * n
+    kv = m.kv_heads if m.kv_heads % n == 0 else heads
+    return 2 * tokens * s.dtype_bytes * m.head_dim * (2 * heads + 2 * kv)
 
 
 def rank_bytes(m: ModelShape, s: Setup) -> dict:
@@ -183,6 +198,8 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
     # Checkpointing keeps each layer's input and recomputes one layer at a time in the backward pass.
     kept = T * m.layers * (b * m.hidden if s.checkpointing else layer)
     activations = kept + T * layer + T * 4 * b * m.hidden  # + one layer's backward working set, embeddings, norm
+    if s.sequence_parallel > 1:  # the all-to-alls' send and receive buffers of q, k, v and the output, one layer's
+        activations += sequence_exchange_bytes(m, s, T)
     logits = logits_bytes(m, min(s.chunk, T) if s.chunk else T, b, backward=True, nucleus=s.top_p < 1)
     # A log-prob pass keeps no activations: one layer's at a time, and its logits (chunked alike).
     logprob_pass = s.logprob_tokens * b * (4 * m.hidden + 2 * m.intermediate) + logits_bytes(
@@ -445,7 +462,8 @@ def for_config(cfg):
     s = setup_of(cfg)
     s = dataclasses.replace(s, **colocated_bytes(cfg, s))
     p = plan(shape, s, *device_memory(cfg))
-    why = refusal(p, shape, s, cfg.train.dynamic_batch_enable, cfg.data.max_len)
+    # a rank's share of the longest sample: the least a budget can be
+    why = refusal(p, shape, s, cfg.train.dynamic_batch_enable, -(-cfg.data.max_len // cfg.ds.ring_attn_size))
     if why:
         raise ConfigError(why)
     host, memory = host_plan(cfg, p), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -90,7 +90,7 @@ class PolicyActor(DeepSpeedRank):
         """[B, T] log-probs (and entropies) of one forward pass over samples, laid out as layout says (packing,
         chunk: see batching_settings); top_p < 1: of the rollout's nucleus distribution."""
         inputs = Layout.of(samples, layout["packing"]).to(self._device())
-        return target_logprobs(model, inputs, temperature, layout["chunk"], entropy, top_p)
+        return target_logprobs(model, inputs, temperature, layout["chunk"], entropy, top_p, self.sequence)
 
     def train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
         """One optimizer step over this rank's micro batches (lists of samples; an empty one stands in where the

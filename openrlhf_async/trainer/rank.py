@@ -9,6 +9,8 @@ import os
 import torch
 
 from openrlhf_async.trainer.batching import sample_length
+from openrlhf_async.trainer.sequence_parallel import SequenceGroup
+from openrlhf_async.trainer.sequence_parallel import register as register_attention
 from openrlhf_async.utils.timeline import Timeline
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -194,6 +196,11 @@ class DeepSpeedRank:
                      "attn_implementation": attn_implementation(model["attn_implementation"], model["device"])}
         if model["experts_implementation"]:
             self.load["experts_implementation"] = model["experts_implementation"]
+        # --ds.ring_attn_size: groups of consecutive ranks share each packed row (sequence_parallel.py)
+        self.sequence = None
+        if ds.get("ring_attn_size", 1) > 1:
+            self.sequence = SequenceGroup(rank, world_size, ds["ring_attn_size"])
+            self.load["attn_implementation"] = register_attention(self.load["attn_implementation"])
         self.lora = bool(ds.get("lora"))  # only the adapter trains; the frozen base stays out of checkpoints
         module = self._build(model_path, self.load, model, ds)
         optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], optim, ds, model["device"])

@@ -76,6 +76,9 @@ class RankGroup:
         ]
         get_all([a.ready.remote() for a in self.actors])
         self.batching = batching_settings(cfg)
+        # --ds.ring_attn_size: each group of this many consecutive ranks shares every micro batch; its first rank
+        # reports (trainer/sequence_parallel.py)
+        self.sequence_size = cfg.ds.ring_attn_size
 
     @staticmethod
     def world_size(cfg) -> int:
@@ -109,16 +112,26 @@ class RankGroup:
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
     def _plan(self, samples: list, size: int, max_tokens) -> tuple:
-        """Per rank, its micro batches as lists of samples, and as lists of their indices (batching.plan)."""
-        indices = plan(samples, len(self.actors), size, max_tokens, self.batching["packing"])
-        return [[[samples[i] for i in batch] for batch in batches] for batches in indices], indices
+        """Per rank, its micro batches as lists of samples, and per data-parallel group (a rank, or a sequence-parallel
+        group) as lists of their indices (batching.plan). A sequence-parallel group's micro batches hold its ranks'
+        token budgets together."""
+        n = self.sequence_size
+        indices = plan(samples, len(self.actors) // n, size, max_tokens and max_tokens * n, self.batching["packing"])
+        per_group = [[[samples[i] for i in batch] for batch in batches] for batches in indices]
+        return [per_group[rank // n] for rank in range(len(self.actors))], indices
+
+    def _reports(self, results: list) -> list:
+        """The results of each data-parallel group's first rank (the others of a sequence-parallel group computed the
+        same figures)."""
+        return results[:: self.sequence_size]
 
     def _per_sample(self, samples: list, method: str, *args) -> list:
         """Each sample's list from the ranks' `method(micro_batches, *args)` (one list per sample per micro batch),
         run in the log-prob passes' micro batches (--rollout.micro_batch_size or --rollout.max_tokens_per_gpu)."""
         b = self.batching
         batches, indices = self._plan(samples, b["logprobs_micro_batch_size"], b["logprobs_max_tokens"])
-        results = get_all([getattr(a, method).remote(micro, *args) for a, micro in zip(self.actors, batches)])
+        results = self._reports(get_all([getattr(a, method).remote(micro, *args)
+                                         for a, micro in zip(self.actors, batches)]))
         out = [None] * len(samples)
         for rank_indices, rank_results in zip(indices, results):
             for batch, values in zip(rank_indices, rank_results):
@@ -134,7 +147,7 @@ class RankGroup:
         batches, _ = self._plan(samples, micro_batch_size, self.batching["max_tokens"])
         results = get_all([a.train_step.remote(micro, totals, loss_cfg, self.batching)
                            for a, micro in zip(self.actors, batches)])
-        return results, totals
+        return self._reports(results), totals
 
     def _updates(self, samples: list, micro_batch_size: int, loss_cfg: dict, mini_batch_size: int, epochs: int,
                  seed: int) -> list:
@@ -238,6 +251,7 @@ def ds_settings(cfg) -> dict:
     d = cfg.ds
     return {"zero_stage": d.zero_stage, "dtype": cfg.dtype, "overlap_comm": d.overlap_comm, "zpg": d.zpg,
             "adam_offload": d.adam_offload, "grad_accum_dtype": d.grad_accum_dtype, "ref_offload": cfg.ref.offload,
+            "ring_attn_size": d.ring_attn_size,
             "enable_sleep": d.enable_sleep and cfg.hybrid,
             "lora": {"rank": d.lora_rank, "alpha": d.lora_alpha, "dropout": d.lora_dropout,
                      "target_modules": d.lora_target_modules} if d.lora_rank else None}
