@@ -157,7 +157,20 @@ def critic(ray_cluster, tiny_model_path):
     group.shutdown()
 
 
-def test_a_two_rank_zero3_critic_step_moves_every_weight_as_one_process_would(critic, tiny_model_path, tmp_path):
+@pytest.fixture
+def critic_sequence_parallel(ray_cluster, tiny_model_path):
+    """Both ranks share each packed row (--ds.ring_attn_size 2, trainer/sequence_parallel.py)."""
+    from openrlhf_async.trainer.critic import CriticGroup
+
+    cfg = preset_config(*GAE, *EXACT_STEP, "--ds.ring_attn_size", "2")
+    group = CriticGroup(cfg, tiny_model_path)
+    yield cfg, group
+    group.shutdown()
+
+
+@pytest.mark.parametrize("ranks", ["critic", "critic_sequence_parallel"])
+def test_a_two_rank_zero3_critic_step_moves_every_weight_as_one_process_would(ranks, tiny_model_path, tmp_path,
+                                                                              request):
     import ray
     from safetensors.torch import load_file
 
@@ -165,7 +178,7 @@ def test_a_two_rank_zero3_critic_step_moves_every_weight_as_one_process_would(cr
     from openrlhf_async.models.value import build_value_model
     from openrlhf_async.trainer.losses import value_loss
 
-    cfg, group = critic
+    cfg, group = request.getfixturevalue(ranks)
     samples = _samples(tiny_model_path)
     ray.get(group.call("save_hf", str(tmp_path / "before")))
     model = build_value_model(str(tmp_path / "before"), {"dtype": torch.float32})

@@ -110,7 +110,6 @@ def test_each_openrlhf_flag_parses_with_its_own_default_value():
     (["--train.partial_rollout_enable"], "--train.partial_rollout_enable needs --train.async_enable"),
     (["--use_ms"], "--use_ms True: not supported here: ModelScope"),
     # They would do nothing, and a context or model sized for them runs out of memory later: refused now.
-    (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: not supported here: ring attention is not built"),
     (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size 2: not supported here: DeepSpeed AutoTP is not"),
 ])
 def test_flags_that_would_change_training_and_are_not_built_are_refused_in_one_line(flags, message):

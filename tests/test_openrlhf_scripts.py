@@ -45,35 +45,43 @@ class AgentExecutor(MultiTurnAgentExecutor):
 '''
 
 
-def openrlhf_script_flags(model: str, dataset: str, agent: str, save: str) -> list:
-    """The script's flags in its order; the comments say what was scaled (engines, ranks, sizes) to 2 CPU cores."""
-    return [
+# The script's sizes as written, and as scaled to 2 CPU cores.
+WRITTEN = {"max_len": 74240, "max_new_tokens": 64000, "rollout_batch": 128, "n": 8, "train_batch": 1024, "ranks": 4,
+           "engines": 2, "engine_tp": 2}
+SCALED = {"max_len": 256, "max_new_tokens": 48, "rollout_batch": 4, "n": 4, "train_batch": 16, "ranks": 2,
+          "engines": 1, "engine_tp": 1}
+
+
+def openrlhf_script_flags(model: str, dataset: str, agent: str, save: str, size: dict = SCALED) -> list:
+    """The script's flags in its order, at its own sizes (WRITTEN) or scaled (SCALED: 4 + 4 GPUs and 2 engines of
+    tensor parallel 2 become 2 CPU ranks each and 1 engine)."""
+    return [str(flag) for flag in [
         # CKPT_ARGS
         "--actor.model_name_or_path", model, "--ckpt.load_enable", "--ckpt.output_dir", save,
         "--ckpt.path", f"{save}/ckpt", "--ckpt.save_hf", "--ckpt.max_num", "3", "--ckpt.save_steps", "10",
-        # ROLLOUT_ARGS (max_len 74240 -> 256, max_new_tokens 64000 -> 48, batch 128 x 8 -> 4 x 4, train 1024 -> 16)
+        # ROLLOUT_ARGS
         "--train.agent_func_path", agent, "--data.prompt_dataset", dataset, "--data.input_key", "prompt",
-        "--data.label_key", "label", "--data.max_len", "256", "--rollout.max_new_tokens", "48",
-        "--data.apply_chat_template", "--ds.packing_samples", "--rollout.batch_size", "4",
-        "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16", "--algo.dynamic_filtering_enable",
-        "--algo.dynamic_filtering_range", "0.0", "1.0", "--train.dynamic_batch_enable",
-        "--train.max_tokens_per_gpu", "16192", "--rollout.max_tokens_per_gpu", "32768", "--train.micro_batch_size", "1",
-        "--rollout.micro_batch_size", "8", "--data.max_samples", "128000", "--train.max_epochs", "1",
-        "--train.num_episodes", "1",
-        # ENGINE_ARGS (4 + 4 GPUs, 2 engines of tensor parallel 2 -> 2 CPU ranks each, 1 engine)
+        "--data.label_key", "label", "--data.max_len", size["max_len"], "--rollout.max_new_tokens",
+        size["max_new_tokens"], "--data.apply_chat_template", "--ds.packing_samples", "--rollout.batch_size",
+        size["rollout_batch"], "--rollout.n_samples_per_prompt", size["n"], "--train.batch_size", size["train_batch"],
+        "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0",
+        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "16192", "--rollout.max_tokens_per_gpu",
+        "32768", "--train.micro_batch_size", "1", "--rollout.micro_batch_size", "8", "--data.max_samples", "128000",
+        "--train.max_epochs", "1", "--train.num_episodes", "1",
+        # ENGINE_ARGS
         "--train.async_enable", "--train.partial_rollout_enable", "--ref.num_nodes", "1", "--ref.num_gpus_per_node",
-        "2", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
-        "--vllm.tensor_parallel_size", "1", "--vllm.gpu_memory_utilization", "0.95", "--train.colocate_all",
-        "--ds.enable_sleep", "--vllm.sync_backend", "nccl", "--vllm.enforce_eager", "--ds.zero_stage", "3",
-        "--actor.gradient_checkpointing_enable", "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2",
-        "--ds.param_dtype", "bf16",
+        size["ranks"], "--actor.num_nodes", "1", "--actor.num_gpus_per_node", size["ranks"], "--vllm.num_engines",
+        size["engines"], "--vllm.tensor_parallel_size", size["engine_tp"], "--vllm.gpu_memory_utilization", "0.95",
+        "--train.colocate_all", "--ds.enable_sleep", "--vllm.sync_backend", "nccl", "--vllm.enforce_eager",
+        "--ds.zero_stage", "3", "--actor.gradient_checkpointing_enable", "--ds.ring_attn_size", "2",
+        "--ds.ring_attn_head_stride", "2", "--ds.param_dtype", "bf16",
         # OPTIMIZER_ARGS
         "--algo.advantage.estimator", "reinforce_baseline", "--actor.adam.lr", "5e-7", "--actor.entropy_coef", "0.0",
         "--algo.kl.init_coef", "1e-5", "--algo.kl.use_loss", "--algo.kl.estimator", "k2",
         "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
         # LOG_ARGS
         "--logger.tensorboard_dir", f"{save}/runs", "--logger.logging_steps", "1", "--eval.steps", "-1",
-    ]
+    ]]
 
 
 @pytest.fixture
@@ -93,15 +101,11 @@ def _run(cwd, flags, timeout):
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "RAY_ADDRESS": ""})
 
 
-def test_openrlhfs_async_agent_script_is_refused_for_ring_attention_and_passes_a_dry_run_without_it(workspace):
-    """The script's --ds.ring_attn_size 2 would do nothing here, and at its 74k-token context the run would run out of
-    memory later: refused at once, in one line. Without it the dry run passes, with a notice for each flag that has no
-    effect."""
+def test_openrlhfs_async_agent_script_passes_a_dry_run_as_written_with_its_sequence_parallelism(workspace):
+    """--ds.ring_attn_size 2 splits each packed row across 2 ranks (trainer/sequence_parallel.py); the dry run passes
+    with a notice for each flag that has no effect here."""
     cwd, flags = workspace
-    refused = dry_run_in_process([*flags, "--dry_run"], cwd)
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
-        "error: --ds.ring_attn_size 2: not supported here: ring attention is not built"), refused.stderr[-3000:]
-    proc = dry_run_in_process([*flags, "--ds.ring_attn_size", "1", "--dry_run"], cwd)
+    proc = dry_run_in_process([*flags, "--dry_run"], cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
     for flag in ("--ds.ring_attn_head_stride", "--ds.enable_sleep", "--ref.num_gpus_per_node",
@@ -112,15 +116,38 @@ def test_openrlhfs_async_agent_script_is_refused_for_ring_attention_and_passes_a
     assert not any("packing" in line or "dynamic_batch" in line for line in notices), notices
     config = report["config"]
     assert config["ds"]["packing_samples"] and config["train"]["dynamic_batch_enable"]
+    assert config["ds"]["ring_attn_size"] == 2
     assert (config["train"]["max_tokens_per_gpu"], config["rollout"]["max_tokens_per_gpu"]) == (16192, 32768)
     assert report["config"]["mode"] == "fully_async" and report["config"]["algo"]["is_correction_mode"] == "mask"
     assert report["datasets"]["train_rows"] == 8
 
 
+def test_the_scripts_74k_token_context_on_80_gb_gpus_with_and_without_sequence_parallelism(workspace):
+    """The script at its own sizes (Qwen3-4B-Thinking-2507's shape, 74,240-token rows, 4 ranks, 80 GB GPUs): with
+    --ds.ring_attn_size 2 each rank holds half of the longest row, and no [T, T] attention mask."""
+    cwd, _ = workspace
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs", "Qwen3-4B-Thinking-2507")
+    flags = openrlhf_script_flags(model, str(cwd / "prompts.jsonl"), str(cwd / "agent_func.py"), str(cwd / "exp"),
+                                  WRITTEN)
+    plans = {}
+    for n in (1, 2):
+        proc = dry_run_in_process([*flags, "--ds.ring_attn_size", str(n), "--dry_run", "--device", "cuda",
+                                   "--plan.device_memory_gb", "80"], cwd)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans[n] = json.loads(proc.stdout[: proc.stdout.rindex("\ndry run:")])["memory_plan"]
+    one, two = plans[1]["trainer_rank"], plans[2]["trainer_rank"]
+    assert plans[1]["setup"]["train_tokens"] == 74240 and plans[2]["setup"]["train_tokens"] == 37120
+    assert one["attention_mask"] > 10 * 2**30 and two["attention_mask"] == 0
+    assert two["activations"] < 0.6 * one["activations"]
+    for part in ("weights", "gradients", "optimizer", "reference"):
+        assert one[part] == two[part], part
+    assert two["total"] < one["total"] <= 80 * 2**30
+
+
 @pytest.mark.long  # 100 s: make test-long; make test dry-runs the script and trains agents through the same executor
 def test_openrlhfs_async_agent_script_trains_two_steps_on_cpu(workspace):
     cwd, flags = workspace
-    proc = _run(cwd, [*flags, "--ds.ring_attn_size", "1"], 600)
+    proc = _run(cwd, flags, 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = cwd / "runs" / "run"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

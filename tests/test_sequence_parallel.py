@@ -1,0 +1,101 @@
+"""Sequence parallelism (--ds.ring_attn_size, trainer/sequence_parallel.py): a packed row split across N gloo
+processes gives the log-probs, entropies, loss and gradients of the row in one process, for head counts that split
+evenly, that need their key/value heads repeated, and that need padding; and the flag's checks. The DeepSpeed ranks'
+steps with it are in test_policy.py and test_critic.py, OpenRLHF's script trains with it in
+test_openrlhf_scripts.py."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import preset_config
+from openrlhf_async.config import ConfigError
+from openrlhf_async.utils.ports import free_port
+
+LAYERS = 2
+UNIT_ROUNDOFF = 2.0**-53  # float64
+
+
+def _model(attention: str, heads: int, kv_heads: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=50, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=LAYERS,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation=attention, dtype=torch.float64)
+
+
+def _samples() -> list:
+    """Three samples of 10, 7 and 13 tokens: one packed row of 30, which no N here divides but 2."""
+    g = torch.Generator().manual_seed(1)
+    return [{"prompt_ids": torch.randint(1, 50, (p,), generator=g).tolist(),
+             "response_ids": torch.randint(1, 50, (r,), generator=g).tolist()} for p, r in ((3, 7), (5, 2), (4, 9))]
+
+
+def _loss_and_gradient(model, sequence) -> tuple:
+    """A loss of every target's log-prob (weights of both signs) and entropy, as the policy loss reads them."""
+    from openrlhf_async.trainer.batching import Layout, target_logprobs
+
+    layout = Layout.of(_samples(), packed=True)
+    logp, entropy = target_logprobs(model, layout, 1.0, chunk=0, entropy=True, sequence=sequence)
+    weights = torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)
+    loss = ((logp * weights + 0.1 * entropy) * layout.valid).sum()
+    loss.backward()
+    return logp.detach(), loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _rank(rank: int, size: int, port: int, heads: int, kv_heads: int, results) -> None:
+    import torch.distributed as dist
+
+    from openrlhf_async.trainer.sequence_parallel import SequenceGroup, register
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    logp, loss, gradient = _loss_and_gradient(_model(register("sdpa"), heads, kv_heads),
+                                              SequenceGroup(rank, size, size))
+    dist.all_reduce(gradient)  # each rank holds its tokens' share of the gradient, as DeepSpeed then sums them
+    if rank == 0:
+        results.put((logp.tolist(), float(loss), gradient.tolist()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size, heads, kv_heads", [
+    (2, 2, 1),  # the tiny model's: one key/value head, repeated to the query heads
+    (2, 3, 3),  # an odd head count: padded with a zero head
+    (4, 2, 1),  # more ranks than heads
+    (4, 8, 4),  # grouped heads that split evenly
+])
+def test_a_row_split_across_ranks_gives_the_one_process_log_probs_loss_and_gradients(size, heads, kv_heads):
+    import torch.multiprocessing as mp
+
+    logp, loss, gradient = _loss_and_gradient(_model("sdpa", heads, kv_heads), None)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = mp.spawn(_rank, args=(size, free_port(), heads, kv_heads, results), nprocs=size, join=False)
+    split_logp, split_loss, split_gradient = results.get(timeout=300)
+    ranks.join()
+    # The same sums in another order (attention over at most the row's 30 positions, a weight's gradient summed over
+    # them in N parts): each result is off by at most about T unit roundoffs per layer of its magnitude. A wrong
+    # slice, a lost exchange or a gradient counted twice is off by its own size.
+    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in _samples())
+    bound = UNIT_ROUNDOFF * tokens * (LAYERS + 2)
+    assert (torch.tensor(split_logp, dtype=torch.float64) - logp).abs().max() <= bound * logp.abs().max()
+    # The loss sums the row's terms, each at most the largest |log-prob| (weights in [-1, 1]; entropies weigh 0.1).
+    assert abs(split_loss - float(loss)) <= bound * tokens * float(logp.abs().max())
+    assert (torch.tensor(split_gradient, dtype=torch.float64) - gradient).abs().max() <= bound * gradient.abs().max()
+    assert gradient.abs().max() > 0.1
+
+
+def test_the_ring_size_must_divide_the_ranks_and_turns_packing_on(capsys):
+    with pytest.raises(ConfigError) as e:
+        preset_config("--ds.ring_attn_size", "4")
+    assert str(e.value) == ("--ds.ring_attn_size 4 must divide the actor's ranks (--actor.num_nodes 1 x "
+                            "--actor.num_gpus_per_node 2 = 2): each group of 4 ranks shares a packed row")
+    with pytest.raises(ConfigError, match=r"^--ds.ring_attn_size 2 must divide the critic's ranks \(--critic"):
+        preset_config("--ds.ring_attn_size", "2", "--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node",
+                      "3")
+    capsys.readouterr()
+    cfg = preset_config("--ds.ring_attn_size", "2")
+    assert cfg.ds.packing_samples
+    assert "notice: --ds.ring_attn_size 2 turns on --ds.packing_samples" in capsys.readouterr().err
