@@ -118,3 +118,21 @@ def test_the_nucleus_of_top_p_adds_its_sort_to_the_logits_of_each_chunk():
     whole, nucleus = (rank_bytes(QWEN25_7B, gpu_setup(top_p=p)) for p in (1.0, 0.98))
     assert nucleus["logits"] - whole["logits"] == 1024 * QWEN25_7B.vocab * 20  # the chunk's positions
     assert nucleus["total"] > whole["total"]
+
+
+def test_a_row_split_across_two_ranks_halves_a_ranks_activations_and_builds_no_mask():
+    """--ds.ring_attn_size 2: a rank holds half of the 20k-token row (its share, train_tokens), attends without a
+    [T, T] mask, and adds the all-to-alls' buffers of one layer; states are unchanged."""
+    from openrlhf_async.trainer.memory_plan import sequence_exchange_bytes, split_heads
+
+    whole, split = rank_bytes(QWEN25_7B, gpu_setup()), rank_bytes(QWEN25_7B, gpu_setup(train_tokens=10240,
+                                                                                          sequence_parallel=2))
+    assert whole["attention_mask"] > 0 and split["attention_mask"] == 0
+    exchange = sequence_exchange_bytes(QWEN25_7B, gpu_setup(sequence_parallel=2), 10240)
+    assert split["activations"] - exchange == pytest.approx(whole["activations"] / 2, rel=1e-6)
+    for part in ("weights", "gradients", "optimizer", "buffers"):
+        assert split[part] == whole[part], part
+    # SmolLM2's 9 heads and 3 key/value heads: padded to 10, the key/value heads repeated to them.
+    shape = split_heads(ModelShape(576, 30, 9, 3, 64, 1536, 49152, True), 2)
+    assert (shape.heads, shape.kv_heads) == (10, 10)
+    assert (split_heads(QWEN25_7B, 2).heads, split_heads(QWEN25_7B, 2).kv_heads) == (28, 4)

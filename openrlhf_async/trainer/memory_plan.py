@@ -164,14 +164,19 @@ def mask_bytes(s: Setup, tokens: int) -> int:
     return (tokens * tokens if s.packed else tokens * s.longest) * (1 + s.dtype_bytes)
 
 
+def split_heads(m: ModelShape, n: int) -> ModelShape:
+    """The heads as a row split n ways attends with them (sequence_parallel._attention): padded to a multiple of n,
+    and the key/value heads repeated to the query heads where they do not split n ways. Per token of a rank's share
+    the attention then keeps as much as a model of these heads would per token."""
+    heads = -(-m.heads // n) * n
+    return dataclasses.replace(m, heads=heads, kv_heads=m.kv_heads if m.kv_heads % n == 0 else heads)
+
+
 def sequence_exchange_bytes(m: ModelShape, s: Setup, tokens: int) -> int:
     """Sequence parallelism's all-to-alls around one layer's attention, per rank: a send and a receive buffer of its
-    tokens' queries, keys, values (repeated to the query heads where they do not split n ways) and output, heads
-    padded to a multiple of n."""
-    n = s.sequence_parallel
-    heads = -(-m.heads // n) * n
-    kv = m.kv_heads if m.kv_heads % n == 0 else heads
-    return 2 * tokens * s.dtype_bytes * m.head_dim * (2 * heads + 2 * kv)
+    tokens' queries, keys, values and output (heads as split_heads)."""
+    split = split_heads(m, s.sequence_parallel)
+    return 2 * tokens * s.dtype_bytes * split.head_dim * (2 * split.heads + 2 * split.kv_heads)
 
 
 def rank_bytes(m: ModelShape, s: Setup) -> dict:
@@ -193,7 +198,7 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
         buffers += 2 * b * max(m.layer_params, m.vocab * m.hidden)
     reference = 0 if not s.reference or s.lora_rank or (z == 3 and s.ref_offload) else b * m.params / (
         N if z == 3 else 1)
-    layer = layer_activation_bytes(m, b)
+    layer = layer_activation_bytes(split_heads(m, s.sequence_parallel) if s.sequence_parallel > 1 else m, b)
     T = s.train_tokens
     # Checkpointing keeps each layer's input and recomputes one layer at a time in the backward pass.
     kept = T * m.layers * (b * m.hidden if s.checkpointing else layer)
