@@ -122,3 +122,17 @@ def test_a_cli_step_with_sequence_parallelism_and_top_p_matches_vllms_log_probs(
     assert abs(step["vllm_kl"]) < 1e-5, step["vllm_kl"]
     assert step["is_filter_ratio"] == 0 and step["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert step["rollout/tokens_accepted"] > 0
+
+
+def test_a_model_with_sliding_window_attention_is_refused_before_anything_starts(tmp_path):
+    """Mistral's config: a sliding window on every layer, which the split row's attention does not apply."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "sliding_window": 4096,
+                                                      "max_position_embeddings": 32768}))
+    with pytest.raises(ConfigError) as e:
+        preset_config("--actor.model_name_or_path", str(tmp_path), "--ds.ring_attn_size", "2")
+    assert str(e.value) == (f"--ds.ring_attn_size 2: {tmp_path} has sliding-window attention, which sequence "
+                            "parallelism does not build here; drop --ds.ring_attn_size")
+    # Qwen's configs name a window they do not use: accepted
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "sliding_window": 4096,
+                                                      "use_sliding_window": False, "max_position_embeddings": 32768}))
+    assert preset_config("--actor.model_name_or_path", str(tmp_path), "--ds.ring_attn_size", "2").ds.ring_attn_size == 2

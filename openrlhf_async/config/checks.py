@@ -397,6 +397,13 @@ def _validate_model(cfg: Config) -> None:
         cfg.data.max_len = positions
     if cfg.device == "cpu" and cfg.ds.param_dtype == "fp16":
         raise ConfigError("--ds.param_dtype fp16 does not train on cpu; use bf16 or fp32")
+    if cfg.ds.ring_attn_size > 1 and model and os.path.isdir(model):
+        config = read_model_config("--actor.model_name_or_path", model)
+        windowed = ("sliding_attention" in (config.get("layer_types") or []) or config.get("use_sliding_window")
+                    or (config.get("sliding_window") and "use_sliding_window" not in config))
+        if windowed:
+            raise ConfigError(f"--ds.ring_attn_size {cfg.ds.ring_attn_size}: {model} has sliding-window attention, "
+                              "which sequence parallelism does not build here; drop --ds.ring_attn_size")
 
 
 def _validate_lora(cfg: Config) -> None:
