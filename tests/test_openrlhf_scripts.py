@@ -178,7 +178,8 @@ def test_a_command_line_in_openrlhfs_older_spellings_reads_as_todays_flags_with_
            "--actor_learning_rate", "1e-5", "--vllm_num_engines", "1", "--actor_num_gpus_per_node", "2",
            "--zero_stage", "3", "--param_dtype", "fp32", "--enforce_eager", "--save_path", str(tmp_path / "out"),
            "--ckpt_path", str(tmp_path / "ckpt"), "--eval_steps", "-1", "--async_train",
-           "--use_tensorboard", str(tmp_path / "tb")]
+           "--use_tensorboard", str(tmp_path / "tb"), "--packing_samples", "--ring_attn_size", "2",
+           "--ring_head_stride", "2"]
     proc = dry_run_in_process([*old, "--dry_run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     notices = [line for line in proc.stderr.splitlines() if line.startswith("notice: ")]
@@ -192,6 +193,7 @@ def test_a_command_line_in_openrlhfs_older_spellings_reads_as_todays_flags_with_
     assert (c["rollout"]["batch_size"], c["rollout"]["n_samples_per_prompt"], c["train"]["batch_size"],
             c["train"]["micro_batch_size"], c["rollout"]["max_new_tokens"]) == (4, 4, 16, 8, 8)
     assert (c["actor"]["adam_lr"], c["algo"]["kl_init_coef"], c["ds"]["zero_stage"]) == (1e-5, 0, 3)
+    assert c["ds"]["ring_attn_size"] == 2 and c["ds"]["packing_samples"]
     assert (c["ckpt"]["output_dir"], c["ckpt"]["path"], c["logger"]["tensorboard_dir"]) == (
         str(tmp_path / "out"), str(tmp_path / "ckpt"), str(tmp_path / "tb"))
     assert report["datasets"]["train_rows"] == 4

@@ -46,46 +46,50 @@ def _loss_and_gradient(model, sequence) -> tuple:
     return logp.detach(), loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def _rank(rank: int, size: int, port: int, heads: int, kv_heads: int, results) -> None:
+# (query heads, key/value heads) per group size: heads that split evenly, key/value heads repeated to the query heads
+# (the tiny model's one), an odd count padded with a zero head, more ranks than heads.
+HEAD_LAYOUTS = {2: [(2, 1), (3, 3), (4, 2)], 4: [(2, 1), (8, 4)]}
+
+
+def _rank(rank: int, size: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from openrlhf_async.trainer.sequence_parallel import SequenceGroup, register
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
-    logp, loss, gradient = _loss_and_gradient(_model(register("sdpa"), heads, kv_heads),
-                                              SequenceGroup(rank, size, size))
-    dist.all_reduce(gradient)  # each rank holds its tokens' share of the gradient, as DeepSpeed then sums them
-    if rank == 0:
-        results.put((logp.tolist(), float(loss), gradient.tolist()))
+    group, attention = SequenceGroup(rank, size, size), register("sdpa")
+    for heads, kv_heads in HEAD_LAYOUTS[size]:
+        logp, loss, gradient = _loss_and_gradient(_model(attention, heads, kv_heads), group)
+        dist.all_reduce(gradient)  # each rank holds its tokens' share of the gradient, as DeepSpeed then sums them
+        if rank == 0:
+            results.put((logp.tolist(), float(loss), gradient.tolist()))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size, heads, kv_heads", [
-    (2, 2, 1),  # the tiny model's: one key/value head, repeated to the query heads
-    (2, 3, 3),  # an odd head count: padded with a zero head
-    (4, 2, 1),  # more ranks than heads
-    (4, 8, 4),  # grouped heads that split evenly
-])
-def test_a_row_split_across_ranks_gives_the_one_process_log_probs_loss_and_gradients(size, heads, kv_heads):
+@pytest.mark.parametrize("size", sorted(HEAD_LAYOUTS))
+def test_a_row_split_across_ranks_gives_the_one_process_log_probs_loss_and_gradients(size):
     import torch.multiprocessing as mp
 
-    logp, loss, gradient = _loss_and_gradient(_model("sdpa", heads, kv_heads), None)
     context = mp.get_context("spawn")
     results = context.Queue()
-    ranks = mp.spawn(_rank, args=(size, free_port(), heads, kv_heads, results), nprocs=size, join=False)
-    split_logp, split_loss, split_gradient = results.get(timeout=300)
+    ranks = mp.spawn(_rank, args=(size, free_port(), results), nprocs=size, join=False)
+    split = [results.get(timeout=300) for _ in HEAD_LAYOUTS[size]]
     ranks.join()
+    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in _samples())
     # The same sums in another order (attention over at most the row's 30 positions, a weight's gradient summed over
     # them in N parts): each result is off by at most about T unit roundoffs per layer of its magnitude. A wrong
     # slice, a lost exchange or a gradient counted twice is off by its own size.
-    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in _samples())
     bound = UNIT_ROUNDOFF * tokens * (LAYERS + 2)
-    assert (torch.tensor(split_logp, dtype=torch.float64) - logp).abs().max() <= bound * logp.abs().max()
-    # The loss sums the row's terms, each at most the largest |log-prob| (weights in [-1, 1]; entropies weigh 0.1).
-    assert abs(split_loss - float(loss)) <= bound * tokens * float(logp.abs().max())
-    assert (torch.tensor(split_gradient, dtype=torch.float64) - gradient).abs().max() <= bound * gradient.abs().max()
-    assert gradient.abs().max() > 0.1
+    for (heads, kv_heads), (split_logp, split_loss, split_gradient) in zip(HEAD_LAYOUTS[size], split):
+        logp, loss, gradient = _loss_and_gradient(_model("sdpa", heads, kv_heads), None)
+        layout = f"{heads} heads, {kv_heads} key/value heads"
+        assert (torch.tensor(split_logp, dtype=torch.float64) - logp).abs().max() <= bound * logp.abs().max(), layout
+        # The loss sums the row's terms, each at most the largest |log-prob| (weights in [-1, 1]; entropies 0.1).
+        assert abs(split_loss - float(loss)) <= bound * tokens * float(logp.abs().max()), layout
+        assert (torch.tensor(split_gradient, dtype=torch.float64) - gradient).abs().max() <= \
+            bound * gradient.abs().max(), layout
+        assert gradient.abs().max() > 0.1
 
 
 def test_the_ring_size_must_divide_the_ranks_and_turns_packing_on(capsys):
