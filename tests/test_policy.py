@@ -80,10 +80,14 @@ def _weights(path: str) -> dict:
     pytest.param(("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40", "--rollout.max_tokens_per_gpu",
                   "30"), id="token-budget-packed"),
     # Both ranks share every packed row, each running the model on half its tokens (trainer/sequence_parallel.py).
-    pytest.param(("--ds.ring_attn_size", "2", "--actor.logprobs_chunk_size", "7"), id="sequence-parallel"),
+    # make test runs the token-budget and two-group forms (N = 4 in fp64: test_sequence_parallel.py); the others are
+    # in make test-long.
+    pytest.param(("--ds.ring_attn_size", "2", "--actor.logprobs_chunk_size", "7"), id="sequence-parallel",
+                 marks=pytest.mark.long),
     pytest.param(("--ds.ring_attn_size", "2", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "20",
                   "--actor.gradient_checkpointing_enable"), id="sequence-parallel-token-budget-checkpointed"),
-    pytest.param(("--actor.num_gpus_per_node", "4", "--ds.ring_attn_size", "4"), id="sequence-parallel-4"),
+    pytest.param(("--actor.num_gpus_per_node", "4", "--ds.ring_attn_size", "4"), id="sequence-parallel-4",
+                 marks=pytest.mark.long),
     # Two data-parallel groups of 2, with uneven samples (the group of rank 0 gets the long ones).
     pytest.param(("--actor.num_gpus_per_node", "4", "--ds.ring_attn_size", "2"),
                  id="sequence-parallel-2x2"),
