@@ -169,8 +169,9 @@ def critic_sequence_parallel(ray_cluster, tiny_model_path):
 
 
 @pytest.mark.parametrize("ranks", ["critic", "critic_sequence_parallel"])
-def test_a_two_rank_zero3_critic_step_moves_every_weight_as_one_process_would(ranks, tiny_model_path, tmp_path,
-                                                                              request):
+def test_a_two_rank_zero3_critic_step_moves_every_weight_as_one_process_would(ranks, ray_cluster, tiny_model_path,
+                                                                              tmp_path, request):
+    """ray_cluster named here: the test then runs among the shared Ray's tests (conftest sorts by it)."""
     import ray
     from safetensors.torch import load_file
 
