@@ -31,10 +31,10 @@ class ValueModel(torch.nn.Module):
     def head(self):
         return getattr(self, self.head_prefix)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **kwargs):
         """kwargs: on to the body's attention (trainer/sequence_parallel.py's segments)."""
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False, **kwargs).last_hidden_state
+                           use_cache=use_cache, **kwargs).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
     def save(self, path: str, state: dict) -> None:

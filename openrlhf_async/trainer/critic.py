@@ -29,7 +29,6 @@ class CriticActor(DeepSpeedRank):
         """[B, T] values at each sample's target positions (position t is the state before token t + 1)."""
         inputs = Layout.of(samples, layout["packing"]).to(self._device())
         model_inputs, _, context, finish = row_inputs(inputs, self.sequence)
-        model_inputs.pop("use_cache")
         with context:
             values = self.engine(**model_inputs)
         return inputs.per_sample(finish(values.float()))

@@ -198,7 +198,7 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
         buffers += 2 * b * max(m.layer_params, m.vocab * m.hidden)
     reference = 0 if not s.reference or s.lora_rank or (z == 3 and s.ref_offload) else b * m.params / (
         N if z == 3 else 1)
-    layer = layer_activation_bytes(split_heads(m, s.sequence_parallel) if s.sequence_parallel > 1 else m, b)
+    layer = layer_activation_bytes(split_heads(m, s.sequence_parallel), b)  # n = 1: the model's own heads
     T = s.train_tokens
     # Checkpointing keeps each layer's input and recomputes one layer at a time in the backward pass.
     kept = T * m.layers * (b * m.hidden if s.checkpointing else layer)

@@ -114,7 +114,7 @@ def _attention(module, query, key, value, segments: Segments, dropout: float = 0
     padded = -heads % n
     if padded:  # zero heads, so that the heads split evenly; their output is dropped below
         query, key, value = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded)) for t in (query, key, value))
-    query, key, value = (_RowToHeads.apply(t.contiguous(), group) for t in (query, key, value))
+    query, key, value = (_Exchange.apply(t.contiguous(), group, _row_to_heads) for t in (query, key, value))
     gqa = query.shape[1] != key.shape[1]
     out, start = [], 0
     for length in segments.lengths:
@@ -123,7 +123,7 @@ def _attention(module, query, key, value, segments: Segments, dropout: float = 0
             query[:, :, piece], key[:, :, piece], value[:, :, piece], dropout_p=dropout, is_causal=True,
             scale=scaling, enable_gqa=gqa))
         start += length
-    out = _HeadsToRow.apply(torch.cat(out, 2).contiguous(), group)[:, :heads]
+    out = _Exchange.apply(torch.cat(out, 2).contiguous(), group, _heads_to_row)[:, :heads]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -152,26 +152,20 @@ def _heads_to_row(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     return _all_to_all(send, group).transpose(0, 1).reshape(b, n * h, length // n, d)
 
 
-class _RowToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls (_row_to_heads or _heads_to_row) as an autograd step: the backward is the other."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _row_to_heads(x, group)
+    def forward(ctx, x, group, exchange):
+        ctx.group, ctx.inverse = group, _INVERSE[exchange]
+        return exchange(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_row(grad.contiguous(), ctx.group), None
+        return ctx.inverse(grad.contiguous(), ctx.group), None, None
 
 
-class _HeadsToRow(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_row(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _row_to_heads(grad.contiguous(), ctx.group), None
+_INVERSE = {_row_to_heads: _heads_to_row, _heads_to_row: _row_to_heads}
 
 
 class _Gather(torch.autograd.Function):
