@@ -70,8 +70,8 @@ def test_the_engines_weights_are_the_base_names_with_each_adapted_layer_merged(t
         if "lora_B" in name:
             p.data.normal_(0, 0.1)  # B starts at zero: give the adapter an effect
     sources = weight_sources(model, lora=True)
-    assert [name for name, _, _ in sources] == names, "the engines would not know these names"
-    merged = {name: source_value(params, scaling).clone() for name, params, scaling in sources}
+    assert [source.name for source in sources] == names, "the engines would not know these names"
+    merged = {source.name: source_value(source).clone() for source in sources}
     ids = torch.tensor([[1, 5, 9, 14, 3]])
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
@@ -88,7 +88,7 @@ def test_a_bf16_merge_keeps_an_adapters_updates_below_half_an_ulp_in_expectation
     adapter's first steps never reached bf16 engines. Rounded stochastically (seeded: the same on every rank and
     call), the merged weights equal W + s B A in expectation: their mean moves by the update, a layer's output
     follows it, and only an adapter that changed draws again."""
-    from openrlhf_async.trainer.weight_export import source_value
+    from openrlhf_async.trainer.weight_export import Source, source_value
 
     torch.manual_seed(0)
     rows, cols = 256, 256
@@ -100,9 +100,9 @@ def test_a_bf16_merge_keeps_an_adapters_updates_below_half_an_ulp_in_expectation
     nearest = (weight.float() + b @ a).to(torch.bfloat16)
     assert torch.equal(nearest, weight), "round to nearest keeps the update (the premise is wrong)"
 
-    merged = source_value(params, 1.0, "layers.0.mlp.up_proj.weight")
+    merged = source_value(Source("layers.0.mlp.up_proj.weight", params, 1.0))
     assert merged.dtype == torch.bfloat16
-    assert torch.equal(merged, source_value(params, 1.0, "layers.0.mlp.up_proj.weight")), "not reproducible"
+    assert torch.equal(merged, source_value(Source("layers.0.mlp.up_proj.weight", params, 1.0))), "not reproducible"
     steps = (merged.float() - weight.float()) / ulp
     assert set(steps.unique().tolist()) <= {0.0, 1.0}, "not one of the two neighbours"
     # Each element moves one ulp with probability 0.1: the mean's standard deviation is sqrt(0.09 / n) ulp.
@@ -112,9 +112,10 @@ def test_a_bf16_merge_keeps_an_adapters_updates_below_half_an_ulp_in_expectation
     exact, expected_effect = x @ (weight.float() + b @ a).T, float((x @ (b @ a).T).abs().mean())
     assert float((x @ merged.float().T - exact).abs().mean()) < 0.2 * expected_effect
     assert float((x @ nearest.float().T - exact).abs().mean()) > 0.99 * expected_effect
-    other = source_value([weight, a, b * 1.5], 1.0, "layers.0.mlp.up_proj.weight")
+    other = source_value(Source("layers.0.mlp.up_proj.weight", [weight, a, b * 1.5], 1.0))
     assert not torch.equal((other.float() - weight.float()) > 0, steps > 0), "a new adapter drew the same"
-    assert torch.equal(source_value([weight.float(), a, b], 1.0), weight.float() + b @ a), "fp32 is merged exactly"
+    merged32 = source_value(Source("", [weight.float(), a, b], 1.0))
+    assert torch.equal(merged32, weight.float() + b @ a), "fp32 is merged exactly"
 
 
 @pytest.mark.parametrize("case", ["lost", "healthy", "too_early_to_tell"])

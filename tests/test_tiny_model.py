@@ -172,7 +172,8 @@ def test_the_embedded_models_are_the_shipped_bytes_and_a_changed_copy_is_refused
     assert not (tmp_path / "cache").exists()
     assert EMBEDDED_DIGESTS == {
         "tiny-qwen2": "4dff33713594ff4e0fb7ad1c66135c3a75e5e890fa2343d9807473024525d8ed",
-        "tiny-qwen2-rm": "7ec8d169aa1120f1bfdf38590785f65392e9bf050b3ad514383ab9643bb93326"}
+        "tiny-qwen2-rm": "7ec8d169aa1120f1bfdf38590785f65392e9bf050b3ad514383ab9643bb93326",
+        "tiny-qwen3-moe": "6233b0067f3bb7b1228560c14d3213c93556ebe4ea7247fb24e7c453a6dfcbf7"}
     for name, digest in EMBEDDED_DIGESTS.items():
         assert folder_digest(os.path.join(tiny.EMBEDDED_DIR, name)) == digest
     # A copy whose weights changed by one byte is refused in one line naming the folder and the fix.

@@ -20,7 +20,7 @@ from openrlhf_async.config.setting import (EACH, FLOAT_LIMIT, INT_LIMIT, PAIR, W
                                            value_type)
 from openrlhf_async.errors import ConfigError, notice
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
-from openrlhf_async.utils.model_info import is_gguf
+from openrlhf_async.utils.model_info import EMBEDDED_MODELS, is_gguf
 from openrlhf_async.utils.wandb_mode import resolve_wandb_mode, wandb_api_key_available
 
 
@@ -376,10 +376,14 @@ def _validate_algo(cfg: Config) -> None:
 def _validate_model(cfg: Config) -> None:
     # Whether the GPUs exist is checked against the Ray cluster at start (a job's driver may run on a CPU-only head).
     model = cfg.actor.model_name_or_path
+    if model in EMBEDDED_MODELS and not os.path.exists(model):  # a shipped model by name: its folder, digest-checked
+        from openrlhf_async.models.tiny import embedded_model
+
+        cfg.actor.model_name_or_path = model = embedded_model(model)
     if model and not os.path.isdir(model) and not is_hub_id(model) and not (is_gguf(model) and os.path.isfile(model)):
         raise ConfigError(f"--actor.model_name_or_path {model}: no such model folder or .gguf file (give a local HF "
-                          "model folder, a .gguf file, a Hugging Face id such as Qwen/Qwen3-8B-Base, or nothing for "
-                          "the embedded tiny model)")
+                          "model folder, a .gguf file, a Hugging Face id such as Qwen/Qwen3-8B-Base, nothing for "
+                          f"the embedded tiny model, or {' '.join(EMBEDDED_MODELS)})")
     for flag, value in (("--critic.model_name_or_path", cfg.critic.model_name_or_path),
                         ("--reward.model_name_or_path", cfg.reward.model_name_or_path)):
         for path in [p.strip() for p in (value or "").split(",") if p.strip()]:

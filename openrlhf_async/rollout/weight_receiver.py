@@ -2,17 +2,23 @@
 weight-transfer engine (weight_transfer.py) with vLLM's factory in the worker, before the worker builds the engine
 its `weight_transfer_config` names; the weights then come through vLLM's own update API."""
 
-from openrlhf_async.rollout.weight_transfer import keep_cpu_weights, register
+from openrlhf_async.rollout.weight_transfer import (
+    checkpoint_parameters,
+    keep_cpu_expert_weights,
+    keep_cpu_weights,
+    register,
+)
 
 register()
 keep_cpu_weights()
+keep_cpu_expert_weights()
 
 
 class WeightReceiver:
     def read_weight(self, name: str) -> tuple:
         """A parameter as vLLM holds it (tests compare it with the trainer's): its fp32 bytes and shape. Bytes, which
         msgpack carries as they are: a nested list of SmolLM2's 28M-element embedding took seconds each way."""
-        weight = dict(self.model_runner.model.named_parameters())[name].detach().float().cpu().contiguous()
+        weight = dict(checkpoint_parameters(self.model_runner.model))[name].detach().float().cpu().contiguous()
         return weight.numpy().tobytes(), list(weight.shape)
 
     def fingerprint(self, values: bool = False) -> dict:
@@ -20,7 +26,7 @@ class WeightReceiver:
         weight sync is checked with. The engine adds its workers' up (sync_group.workers_fingerprint)."""
         from openrlhf_async.rollout.sync_group import fingerprint
 
-        return fingerprint(self.model_runner.model.named_parameters(), values=values, group=str)
+        return fingerprint(checkpoint_parameters(self.model_runner.model), values=values, group=str)
 
     def plant_sync_fault(self, kind: str) -> None:
         self.weight_transfer_engine.plant_fault(kind)

@@ -230,6 +230,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             if self.reloading:
                 finalize_layerwise_reload(self.model, self.model_config)
                 _retie_word_embeddings(self.model)
+                _prepack_cpu_experts(self.model)
             elif self.patched:
                 _prepare_patched(self.model)
         self.reloading = self.patched = False
@@ -272,6 +273,74 @@ def keep_cpu_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = keeping
 
 
+def keep_cpu_expert_weights() -> None:
+    """vLLM-CPU prepacks a mixture of experts' weights (w13, w2) for its kernels once loaded
+    (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts.process_weights_after_loading), in place of the checkpoint's
+    layout. Kept also in that layout (the layer's checkpoint_w13 / checkpoint_w2), a patch can be written there and
+    packed again, and the sync check reads what the engine holds: the memory of a second copy of the experts."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM before 0.32 lays its CPU experts out elsewhere: no MoE on CPU there
+        return
+
+    prepack = CPUUnquantizedExperts.process_weights_after_loading
+    if getattr(prepack, "keeps_weights", False):
+        return
+
+    def keeping(self, layer) -> None:
+        layer.checkpoint_w13 = layer.w13_weight.detach().clone()
+        layer.checkpoint_w2 = layer.w2_weight.detach().clone()
+        prepack(self, layer)
+
+    keeping.keeps_weights = True
+    CPUUnquantizedExperts.process_weights_after_loading = keeping
+
+
+def _cpu_experts(model) -> list:
+    """[(checkpoint prefix of the experts, layer, vLLM-CPU's experts kernel)] of each mixture-of-experts layer whose
+    weights vLLM-CPU prepacks (none on a GPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "checkpoint_w13"):
+            found.append((name.removesuffix(".routed_experts"), module, experts))
+    return found
+
+
+def _prepack_cpu_experts(model, from_checkpoint: bool = False) -> None:
+    """Pack the experts' weights again after an update: vLLM 0.32 reloads them into the packed tensors' storage in
+    the checkpoint's layout and packs nothing (unquantized_fused_moe_method.py, _setup_kernel on a weight update), so
+    the CPU kernels would read them as packed; from_checkpoint: from the kept copies a patch was written into."""
+    for _, layer, experts in _cpu_experts(model):
+        if from_checkpoint:
+            layer.w13_weight.data = layer.checkpoint_w13.clone()
+            layer.w2_weight.data = layer.checkpoint_w2.clone()
+        experts.process_weights_after_loading(layer)
+
+
+def checkpoint_parameters(model):
+    """(name, tensor) of the weights the engine holds, with the experts vLLM-CPU packed in the checkpoint's layout
+    (keep_cpu_expert_weights): what the sync check and the tests compare with the trainer's."""
+    kept = {f"{module_name}.w{k}_weight": getattr(layer, f"checkpoint_w{k}")
+            for module_name, layer in ((n, m) for n, m in model.named_modules() if hasattr(m, "checkpoint_w13"))
+            for k in (13, 2)}
+    for name, p in model.named_parameters():
+        yield name, kept.get(name, p)
+
+
 def _direct_targets(model, tensor_parallel: int) -> dict:
     """{checkpoint name: (parameter, flat offset of its first element there, rows it has there)} for the weights a
     patch can be written into without the loader: with one tensor-parallel worker, each parameter under its own name
@@ -295,16 +364,24 @@ def _direct_targets(model, tensor_parallel: int) -> dict:
             row = param[0].numel()
             for k, part in enumerate(parts):
                 targets[f"{prefix}.{part}.{kind}"] = (param, sum(sizes[:k]) * row, sizes[k])
+    for prefix, layer, _ in _cpu_experts(model):  # each expert's weights in the kept checkpoint copies
+        w13, w2 = layer.checkpoint_w13, layer.checkpoint_w2
+        size = w13.shape[1] // 2
+        for e in range(w13.shape[0]):
+            targets[f"{prefix}.{e}.gate_proj.weight"] = (w13, e * w13[0].numel(), size)
+            targets[f"{prefix}.{e}.up_proj.weight"] = (w13, e * w13[0].numel() + w13[0, :size].numel(), size)
+            targets[f"{prefix}.{e}.down_proj.weight"] = (w2, e * w2[0].numel(), w2.shape[1])
     return targets
 
 
 def _prepare_patched(model) -> None:
-    """After patches written in place: on CPU, pack every unquantized linear and embedding layer's weight again for
-    its kernels, as loading does (a GPU runs its layers from the parameters themselves)."""
+    """After patches written in place: on CPU, pack every unquantized linear and embedding layer's weight, and the
+    experts', again for its kernels, as loading does (a GPU runs its layers from the parameters themselves)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
+    _prepack_cpu_experts(model, from_checkpoint=True)
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 

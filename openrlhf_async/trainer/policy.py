@@ -215,7 +215,7 @@ class PolicyActor(DeepSpeedRank):
         from transformers import AutoTokenizer
 
         whole = {}
-        for name, _, _ in self.weights.sources:
+        for name, *_ in self.weights.sources:
             with self.weights.gathered([name]) as values:
                 if self.rank == 0:
                     whole[name] = values()[0].detach().cpu().clone()

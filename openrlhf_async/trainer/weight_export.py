@@ -16,6 +16,7 @@ import math
 import os
 import struct
 import zlib
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,13 +27,32 @@ from openrlhf_async.utils.ports import free_port
 PROBE_TEXTS = ("The capital of France is", "12 + 30 =")
 
 
+class Source(NamedTuple):
+    """One weight the engines load: its name there, the parameters its value is made of, the LoRA adapter's scaling
+    (None: the parameter as it is), and the piece of the parameter it is (None: the whole; else (first flat element,
+    shape): one expert's weight in the fused tensor of a mixture of experts)."""
+
+    name: str
+    params: list
+    scaling: Optional[float] = None
+    piece: Optional[tuple] = None
+
+    def shape(self) -> tuple:
+        return self.piece[1] if self.piece else tuple(getattr(self.params[0], "ds_shape", self.params[0].shape))
+
+    def span(self) -> tuple:
+        """(first, end) flat elements of the parameter this weight covers."""
+        first = self.piece[0] if self.piece else 0
+        return first, first + math.prod(self.shape())
+
+
 def weight_sources(module, lora: bool) -> list:
-    """What the engines load, in the module's order: (the name vLLM knows, the parameters its value is made of, the
-    adapter's scaling). Without LoRA, each parameter as it is. With LoRA, the base model's names, and an adapted
-    layer's weight merged: W + scaling x B @ A (computed apart, nothing merged in place: under ZeRO-3 W is a
-    partition)."""
+    """What the engines load, in the module's order (Source). Without LoRA, each parameter as it is, but for the
+    fused experts of a mixture of experts: one weight per expert, named as the checkpoint names it (expert_pieces).
+    With LoRA, the base model's names, and an adapted layer's weight merged: W + scaling x B @ A (computed apart,
+    nothing merged in place: under ZeRO-3 W is a partition)."""
     if not lora:
-        return [(name, [p], None) for name, p in module.named_parameters()]
+        return [source for name, p in module.named_parameters() for source in expert_pieces(name, p)]
     base = module.get_base_model()
     layers = dict(base.named_modules())
     sources = []
@@ -41,26 +61,49 @@ def weight_sources(module, lora: bool) -> list:
             continue
         if name.endswith(".base_layer.weight"):
             layer = layers[name[: -len(".base_layer.weight")]]
-            sources.append((name.replace(".base_layer", ""),
-                            [p, layer.lora_A["default"].weight, layer.lora_B["default"].weight],
-                            layer.scaling["default"]))
+            sources.append(Source(name.replace(".base_layer", ""),
+                                  [p, layer.lora_A["default"].weight, layer.lora_B["default"].weight],
+                                  layer.scaling["default"]))
         else:
-            sources.append((name.replace(".base_layer", ""), [p], None))
+            sources.append(Source(name.replace(".base_layer", ""), [p]))
     return sources
 
 
-def source_value(params: list, scaling, name: str = "") -> torch.Tensor:
+def expert_pieces(name: str, param) -> list:
+    """A parameter as the engines load it. transformers (5) holds a mixture of experts' expert weights fused,
+    `experts.gate_up_proj` [experts, 2 x size, hidden] (each expert's gate rows, then its up rows) and
+    `experts.down_proj` [experts, hidden, size], where a checkpoint (and vLLM's loader) names each expert's:
+    `experts.{e}.gate_proj.weight`, `.up_proj.weight`, `.down_proj.weight`. Each is a contiguous run of the fused
+    tensor's elements, sent as such; any other parameter is one weight."""
+    shape = tuple(getattr(param, "ds_shape", param.shape))
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj") or len(shape) != 3:
+        return [Source(name, [param])]
+    experts, rows, cols = shape
+    per_expert = rows * cols
+    if leaf == "down_proj":
+        return [Source(f"{prefix}.{e}.down_proj.weight", [param], None, (e * per_expert, (rows, cols)))
+                for e in range(experts)]
+    half = rows // 2
+    return [Source(f"{prefix}.{e}.{kind}_proj.weight", [param], None, (e * per_expert + k * half * cols, (half, cols)))
+            for e in range(experts) for k, kind in enumerate(("gate", "up"))]
+
+
+def source_value(source: Source) -> torch.Tensor:
     """A weight as the engines load it, from its (gathered) parameters (weight_sources). A merged weight in bf16 or
     fp16 is rounded stochastically (stochastic_round), seeded by its name and its adapter's values: round to nearest
     would drop every update below half a unit in the last place of W (about 6e-5 at |W| = 0.02 in bf16), which an
     adapter's first steps are, so they would never reach the engines."""
-    if scaling is None:
-        return params[0].data
-    weight, a, b = (t.data for t in params)
-    merged = weight.float() + (b.float() @ a.float()) * scaling
+    if source.piece is not None:
+        first, end = source.span()
+        return source.params[0].data.reshape(-1)[first:end].view(source.shape())
+    if source.scaling is None:
+        return source.params[0].data
+    weight, a, b = (t.data for t in source.params)
+    merged = weight.float() + (b.float() @ a.float()) * source.scaling
     if weight.dtype == torch.float32:
         return merged
-    seed = zlib.crc32(struct.pack("<d", float(b.double().sum())), zlib.crc32(name.encode()))
+    seed = zlib.crc32(struct.pack("<d", float(b.double().sum())), zlib.crc32(source.name.encode()))
     return stochastic_round(merged, weight.dtype, seed)
 
 
@@ -145,8 +188,8 @@ class WeightExport:
 
     def named_shapes(self) -> list:
         """[(name, dtype, shape)] of what the engines load (weight_sources), in order."""
-        return [(name, str(params[0].dtype).replace("torch.", ""), tuple(getattr(params[0], "ds_shape", params[0].shape)))
-                for name, params, _ in self.sources]
+        return [(source.name, str(source.params[0].dtype).replace("torch.", ""), source.shape())
+                for source in self.sources]
 
     @contextlib.contextmanager
     def gathered(self, names: list, count: bool = False):
@@ -156,15 +199,15 @@ class WeightExport:
         weight exists only gathered."""
         import deepspeed
 
-        by_name = {name: (params, scaling) for name, params, scaling in self.sources}
-        chosen = [(n, *by_name[n]) for n in names]
-        with deepspeed.zero.GatheredParameters([p for _, params, _ in chosen for p in params],
-                                               enabled=self.zero_stage == 3):
+        by_name = {source.name: source for source in self.sources}
+        chosen = [by_name[n] for n in names]
+        params = list({id(p): p for source in chosen for p in source.params}.values())  # an expert's: once
+        with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
             values = []
 
             def computed() -> list:
                 if not values:
-                    values.extend(source_value(params, scaling, name) for name, params, scaling in chosen)
+                    values.extend(source_value(source) for source in chosen)
                 return values
 
             if count and self.lora and self.rank == 0:
@@ -225,16 +268,19 @@ class WeightExport:
         import torch.distributed as dist
 
         owned = {}
-        for name, params, _ in self.sources:
-            p = params[0]
+        for source in self.sources:
+            p = source.params[0]
             if self.zero_stage == 3:
                 size = p.ds_tensor.ds_numel
                 offset = size * dist.get_rank(group=p.ds_process_group)
-                owned[name] = (offset, p.ds_tensor.data.reshape(-1)[: max(0, min(size, p.ds_numel - offset))])
+                part = p.ds_tensor.data.reshape(-1)[: max(0, min(size, p.ds_numel - offset))]
             else:
                 world, rank = dist.get_world_size(), dist.get_rank()
                 share = -(-p.numel() // world)
-                owned[name] = (share * rank, p.data.reshape(-1)[share * rank : share * (rank + 1)])
+                offset, part = share * rank, p.data.reshape(-1)[share * rank : share * (rank + 1)]
+            first, end = source.span()  # the weight's elements in the parameter: this rank's of them
+            lo, hi = max(first, offset), max(min(end, offset + len(part)), max(first, offset))
+            owned[source.name] = (lo - first, part[lo - offset : hi - offset])
         return owned
 
     def _track(self) -> None:

@@ -6,6 +6,15 @@ import functools
 import os
 
 TINY_MAX_POSITIONS = 256  # the embedded tiny model's max_position_embeddings (models/tiny.py builds it)
+# Shipped models --actor.model_name_or_path takes by name (models/tiny.py): the tiny mixture of experts.
+EMBEDDED_MODELS = ("tiny-qwen3-moe",)
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "embedded")
+
+
+def is_embedded(model: str) -> bool:
+    """Whether --actor.model_name_or_path names a shipped model: nothing (the tiny Qwen2), one by name, or its
+    folder."""
+    return not model or model in EMBEDDED_MODELS or os.path.dirname(os.path.abspath(model)) == EMBEDDED_DIR
 
 
 def is_gguf(path: str) -> bool:
@@ -44,9 +53,8 @@ def linear_layers(model):
 
 def model_config(model) -> dict:
     """The model's config.json as a dict: the embedded tiny model's, a folder's, a GGUF file's or a hub id's."""
-    if not model:  # the embedded tiny model: its shipped folder (models/tiny.py EMBEDDED_DIR)
-        model = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "embedded",
-                             "tiny-qwen2")
+    if not model or model in EMBEDDED_MODELS:  # a shipped model: its folder
+        model = os.path.join(EMBEDDED_DIR, model or "tiny-qwen2")
     if os.path.isdir(model):
         from openrlhf_async.utils.json_text import loads
 
