@@ -260,7 +260,7 @@ def test_lora_syncs_are_exact_and_checked_and_a_skipped_adapter_stops_the_run(
         ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "kept", actor.weights.sources))
                  for a in policy.actors])
         ray.get([a.__ray_call__.remote(lambda actor: setattr(
-            actor.weights, "sources", [(n, params[:1], None) for n, params, _ in actor.weights.sources]))
+            actor.weights, "sources", [s._replace(params=s.params[:1], scaling=None) for s in actor.weights.sources]))
             for a in policy.actors])
         with pytest.raises(SyncCheckFailed) as e:
             sync.sync()

@@ -10,7 +10,7 @@ from openrlhf_async.cli import missing_package
 from openrlhf_async.errors import ConfigError, notice
 from openrlhf_async.utils.cache_dir import default_cache_dir
 from openrlhf_async.utils.config_record import to_dict
-from openrlhf_async.utils.model_info import is_gguf
+from openrlhf_async.utils.model_info import is_embedded, is_gguf
 
 
 def prepare(cfg):
@@ -127,6 +127,10 @@ def local_model(cfg) -> str:
         from openrlhf_async.models.tiny import build_tiny_model
 
         return build_tiny_model(default_cache_dir(cfg))
+    if is_embedded(model_path):  # a shipped one named (tiny-qwen3-moe): its bytes checked
+        from openrlhf_async.models.tiny import embedded_model
+
+        return embedded_model(os.path.basename(os.path.normpath(model_path)))
     if is_gguf(model_path):
         from openrlhf_async.models.gguf import hf_folder
 

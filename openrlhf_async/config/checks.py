@@ -20,7 +20,7 @@ from openrlhf_async.config.setting import (EACH, FLOAT_LIMIT, INT_LIMIT, PAIR, W
                                            value_type)
 from openrlhf_async.errors import ConfigError, notice
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
-from openrlhf_async.utils.model_info import EMBEDDED_MODELS, is_gguf
+from openrlhf_async.utils.model_info import EMBEDDED_DIR, EMBEDDED_MODELS, is_gguf, model_experts
 from openrlhf_async.utils.wandb_mode import resolve_wandb_mode, wandb_api_key_available
 
 
@@ -376,10 +376,8 @@ def _validate_algo(cfg: Config) -> None:
 def _validate_model(cfg: Config) -> None:
     # Whether the GPUs exist is checked against the Ray cluster at start (a job's driver may run on a CPU-only head).
     model = cfg.actor.model_name_or_path
-    if model in EMBEDDED_MODELS and not os.path.exists(model):  # a shipped model by name: its folder, digest-checked
-        from openrlhf_async.models.tiny import embedded_model
-
-        cfg.actor.model_name_or_path = model = embedded_model(model)
+    if model in EMBEDDED_MODELS and not os.path.exists(model):  # a shipped model by name: its folder (the start
+        cfg.actor.model_name_or_path = model = os.path.join(EMBEDDED_DIR, model)  # checks its digest: local_model)
     if model and not os.path.isdir(model) and not is_hub_id(model) and not (is_gguf(model) and os.path.isfile(model)):
         raise ConfigError(f"--actor.model_name_or_path {model}: no such model folder or .gguf file (give a local HF "
                           "model folder, a .gguf file, a Hugging Face id such as Qwen/Qwen3-8B-Base, nothing for "
@@ -419,6 +417,12 @@ def _validate_lora(cfg: Config) -> None:
         if d.lora_save_merged:
             notice("--ds.lora.save_merged has no effect without --ds.lora.rank")
         return
+    experts = model_experts(cfg.actor.model_name_or_path)
+    if experts:
+        raise ConfigError(f"--ds.lora.rank {d.lora_rank}: {cfg.actor.model_name_or_path or 'the model'} is a mixture of "
+                          f"experts ({experts} per layer), whose experts transformers holds as fused tensors, not "
+                          "linear layers: an adapter would train the attention alone; drop --ds.lora.rank to train "
+                          "every weight")
     heads = {"lm_head", "embed_tokens"} & set([d.lora_target_modules] if isinstance(d.lora_target_modules, str)
                                               else d.lora_target_modules)
     if heads:

@@ -67,6 +67,9 @@ class ActorConfig:
                                                   openrlhf="same")
     gradient_checkpointing_reentrant: bool = setting(False, "use the reentrant variant of gradient checkpointing",
                                                      openrlhf="same")
+    routing_replay: bool = setting(True, "a mixture of experts: route each token in the trainer's forward to the "
+                                         "experts vLLM routed it to in the rollout (--no-actor.routing_replay: the "
+                                         "trainer's own routing; routing/differ_share is reported either way)")
     logprobs_chunk_size: int = setting(1024, "positions whose vocabulary-wide logits are computed at once for the "
                                              "log-probs (recomputed in the backward pass, not kept); 0: all of a "
                                              "micro batch's at once", range=">= 0")

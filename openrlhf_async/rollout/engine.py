@@ -13,7 +13,9 @@ from openrlhf_async.rollout import vllm_compat
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
 from openrlhf_async.rollout.group_runner import GroupRunner
+from openrlhf_async.rollout.routes import assemble, routes_array
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
+from openrlhf_async.utils.model_info import model_experts
 from openrlhf_async.utils.ray_utils import get_all
 
 
@@ -97,10 +99,16 @@ class LLMRayActorAsync:
         self._endpoint = None  # the OpenAI-compatible endpoint (rollout/endpoint.py), built on first use
         self._endpoint_lock = asyncio.Lock()
         self.runner = GroupRunner(agent, reward, self.tokenizer)
+        # A mixture of experts: the experts vLLM routes each token to, recorded in its workers (rollout/routes.py;
+        # started by ready), and each group's requests that ended: (vLLM's ids of it, its tokens or None)
+        self.records_routes = model_experts(model_path) > 0
+        self.group_requests: dict = {}
 
     async def ready(self) -> bool:
         if self.agent_cfg.openai_port:  # an address fixed by the flags: one that cannot be bound stops the run now
             await self.endpoint()
+        if self.records_routes:
+            await self.engine.collective_rpc("record_routes")
         return True
 
     async def endpoint(self, listen: bool = False):
@@ -151,6 +159,8 @@ class LLMRayActorAsync:
                 prompt = {"prompt_token_ids": prompt_ids} if isinstance(prompt_ids, list) else prompt_ids
                 queue = await self.engine.add_request(request_id, prompt, params, **options)
                 marks.registered = True
+                if self.records_routes:  # vLLM's own ids of it, which its workers file the routes under
+                    internal = list(self.engine.output_processor.external_req_ids.get(request_id, ()))
                 final = None
                 while final is None or not final.finished:
                     final = queue.get_nowait() or await queue.get()
@@ -161,6 +171,10 @@ class LLMRayActorAsync:
             finally:
                 if final is not None:
                     self.tokens_finished += len(final.outputs[0].token_ids)
+                if self.records_routes and queue is not None:
+                    tokens = (list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
+                              if final is not None and final.finished else None)
+                    self.group_requests.setdefault(group_id, []).append((internal, tokens))
                 self.in_flight.pop(request_id, None)
                 self.version_marks.pop(request_id, None)
                 if not self.in_flight:
@@ -223,11 +237,36 @@ class LLMRayActorAsync:
         info: the dataset row's data_source and extra_info, for a veRL compute_score reward (None: none)."""
         self.groups.setdefault(group_id, set())
         try:
-            return await self.runner.run(self, prompt_ids, label, n, sampling, group_id, budget, agent_path, screen,
-                                         group_filter, reward_source, prompt, info)
+            episodes = await self.runner.run(self, prompt_ids, label, n, sampling, group_id, budget, agent_path,
+                                             screen, group_filter, reward_source, prompt, info)
+            if self.records_routes:
+                await self._attach_routes(group_id, episodes)
+            return episodes
         finally:
             self.groups.pop(group_id, None)
             self.aborted_groups.discard(group_id)
+            if self.group_requests.get(group_id):  # cancelled: the routes its requests left in the workers go
+                self._drop_routes(group_id)
+
+    async def _take_routes(self, group_id: str) -> list:
+        """[(tokens, routes or None)] of the group's requests that ended, in order, their routes taken from the
+        workers (all of them: each holds what it recorded; the first's are returned)."""
+        requests = self.group_requests.pop(group_id, [])
+        ids = [i for internal, _ in requests for i in internal]
+        taken = (await self.engine.collective_rpc("take_routes", args=(ids,)))[0] if ids else {}
+        return [(tokens, routes_array(*taken[internal[0]]) if internal and internal[0] in taken else None)
+                for internal, tokens in requests if tokens is not None]
+
+    async def _attach_routes(self, group_id: str, episodes: list) -> None:
+        """Each episode's routes (rollout/routes.py assemble) from its group's requests: a prompt read from the
+        prefix cache or an earlier turn has its routes from the request that computed it."""
+        requests = await self._take_routes(group_id)
+        for ep in episodes:
+            if not ep.aborted and not ep.segments:
+                ep.routes = assemble(ep.prompt_ids + ep.response_ids, requests)
+
+    def _drop_routes(self, group_id: str) -> None:
+        asyncio.ensure_future(self._take_routes(group_id))
 
     async def abort_groups(self, group_ids: list) -> int:
         """Stop these groups: no new request starts for them and vLLM aborts those running. Returns how many

@@ -71,6 +71,9 @@ class Episode:
     seat: Optional[str] = None
     seat_reward: Optional[float] = None
     prompt_key: Optional[int] = None  # the dataset prompt it answers (utils/samples.py: prompt_key), for its label
+    # A mixture of experts': the experts vLLM routed each of its tokens to ([tokens, layers, top_k] int16 numpy,
+    # -1 where unknown: rollout/routes.py), which routing replay trains with; None: none recorded.
+    routes: Optional[object] = None
 
 
 def extra_log_means(groups: list) -> dict:

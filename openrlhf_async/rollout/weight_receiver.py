@@ -28,5 +28,14 @@ class WeightReceiver:
 
         return fingerprint(checkpoint_parameters(self.model_runner.model), values=values, group=str)
 
+    def record_routes(self) -> None:
+        """Record the experts each token is routed to, per request (rollout/routes.py RouteRecorder)."""
+        from openrlhf_async.rollout.routes import RouteRecorder
+
+        self.route_recorder = RouteRecorder(self.model_runner)
+
+    def take_routes(self, request_ids: list) -> dict:
+        return self.route_recorder.take(request_ids)
+
     def plant_sync_fault(self, kind: str) -> None:
         self.weight_transfer_engine.plant_fault(kind)

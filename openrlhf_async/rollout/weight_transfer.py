@@ -364,13 +364,14 @@ def _direct_targets(model, tensor_parallel: int) -> dict:
             row = param[0].numel()
             for k, part in enumerate(parts):
                 targets[f"{prefix}.{part}.{kind}"] = (param, sum(sizes[:k]) * row, sizes[k])
-    for prefix, layer, _ in _cpu_experts(model):  # each expert's weights in the kept checkpoint copies
+    for prefix, layer, _ in _cpu_experts(model):  # each expert's weights in the kept checkpoint copies, as rows
         w13, w2 = layer.checkpoint_w13, layer.checkpoint_w2
         size = w13.shape[1] // 2
+        rows13, rows2 = w13.view(-1, w13.shape[-1]), w2.view(-1, w2.shape[-1])
         for e in range(w13.shape[0]):
-            targets[f"{prefix}.{e}.gate_proj.weight"] = (w13, e * w13[0].numel(), size)
-            targets[f"{prefix}.{e}.up_proj.weight"] = (w13, e * w13[0].numel() + w13[0, :size].numel(), size)
-            targets[f"{prefix}.{e}.down_proj.weight"] = (w2, e * w2[0].numel(), w2.shape[1])
+            targets[f"{prefix}.{e}.gate_proj.weight"] = (rows13, e * w13[0].numel(), size)
+            targets[f"{prefix}.{e}.up_proj.weight"] = (rows13, e * w13[0].numel() + w13[0, :size].numel(), size)
+            targets[f"{prefix}.{e}.down_proj.weight"] = (rows2, e * w2[0].numel(), w2.shape[1])
     return targets
 
 

@@ -40,9 +40,13 @@ def rollout_figures(groups: list, rewards: torch.Tensor) -> dict:
 
 def training_sample(episode, advantage) -> dict:
     """What the policy ranks train on from an episode of one segment: its tokens, which of them the model wrote,
-    their rollout logprobs, and the episode's advantage."""
-    return {"prompt_ids": episode.prompt_ids, "response_ids": episode.response_ids, "logprobs": episode.logprobs,
-            "action_mask": episode.action_mask, "advantage": advantage}
+    their rollout logprobs, the episode's advantage, and (a mixture of experts') the experts vLLM routed its tokens
+    to."""
+    sample = {"prompt_ids": episode.prompt_ids, "response_ids": episode.response_ids, "logprobs": episode.logprobs,
+              "action_mask": episode.action_mask, "advantage": advantage}
+    if episode.routes is not None:
+        sample["routes"] = episode.routes
+    return sample
 
 
 def training_samples(episode, advantage) -> list:

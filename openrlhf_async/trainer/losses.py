@@ -145,7 +145,8 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, clip: tuple = (0
                 loss_type: str = "ppo", correction: dict = None) -> dict:
     """Per-token PPO / GSPO loss (OpenRLHF 0.11.2's PolicyLoss before aggregation) and its figures as sums over the
     masked tokens. correction: {level, mode, gating, threshold} of the train/rollout mismatch correction (level off:
-    none). Returns {"token_loss", "clipped", "corrected", "weight", "vllm_kl"}."""
+    none). Returns {"token_loss", "clipped", "corrected", "weight", "vllm_kl", "vllm_gap", "vllm_gap_max"}: vllm_gap
+    the sum of |rollout log-prob - proximal's|, vllm_gap_max its largest."""
     correction = correction or {"level": "off"}
     on = correction["level"] != "off"
     if loss_type == "ppo":
@@ -166,8 +167,10 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, clip: tuple = (0
                                                 correction["mode"], correction["gating"], correction["threshold"])
         loss = weights * loss
     m = mask.bool()
+    gap = ((rollout_logp - old_logp) * mask).detach()
     return {"token_loss": loss, "clipped": int(((clipped < surrogate) & m).sum()), "corrected": int((corrected & m).sum()),
-            "weight": float((weights * mask).sum()), "vllm_kl": float(((rollout_logp - old_logp) * mask).sum())}
+            "weight": float((weights * mask).sum()), "vllm_kl": float(gap.sum()), "vllm_gap": float(gap.abs().sum()),
+            "vllm_gap_max": float(gap.abs().max()) if gap.numel() else 0.0}
 
 
 def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: int,

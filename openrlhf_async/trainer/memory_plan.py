@@ -39,24 +39,60 @@ class ModelShape:
     tied: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    # A mixture of experts (Qwen2-MoE, Qwen3-MoE): experts per layer (0: a dense MLP), routed per token, each an MLP
+    # of expert_size; the layers with a dense MLP instead (mlp_only_layers); Qwen2-MoE's shared expert's size.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    dense_layers: int = 0
+    shared_expert_size: int = 0
 
     @classmethod
     def from_config(cls, c: dict) -> "ModelShape":
-        """From an HF config.json's fields (Llama, Qwen2, Qwen3 and models shaped like them)."""
+        """From an HF config.json's fields (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and models shaped like them)."""
         heads = c["num_attention_heads"]
+        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        step = c.get("decoder_sparse_step") or 1
+        dense = [i for i in range(c["num_hidden_layers"]) if i in (c.get("mlp_only_layers") or []) or (i + 1) % step]
         return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate=c["intermediate_size"],
                    vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
                    # Qwen2 always has q/k/v biases and no config field saying so; Qwen3 normalises q and k per head.
-                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
-                   qk_norm=c.get("model_type") == "qwen3")
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe"))),
+                   qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
+                   experts=experts, experts_per_token=c.get("num_experts_per_tok", 0) if experts else 0,
+                   expert_size=c.get("moe_intermediate_size", 0) if experts else 0,
+                   dense_layers=len(dense) if experts else 0,
+                   shared_expert_size=c.get("shared_expert_intermediate_size", 0) if experts else 0)
+
+    def _layer_params(self, active: bool) -> float:
+        """A decoder layer's parameters (on average over the layers, dense and MoE); active: those one token runs
+        through (its experts_per_token experts, not all of them)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
+        mlp = 3 * self.hidden * self.intermediate
+        if self.experts:
+            routed = (self.experts_per_token if active else self.experts) * 3 * self.hidden * self.expert_size
+            shared = (3 * self.hidden * self.shared_expert_size + self.hidden) if self.shared_expert_size else 0
+            moe = routed + self.experts * self.hidden + shared  # + the router
+            mlp = (self.dense_layers * mlp + (self.layers - self.dense_layers) * moe) / self.layers
+        return attention + mlp + 2 * self.hidden + 2 * self.head_dim * self.qk_norm
 
     @property
     def layer_params(self) -> int:
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim * self.qk_norm
+        """The largest layer's parameters (what ZeRO-3 gathers at once): every expert of a MoE layer."""
+        if self.experts and self.dense_layers < self.layers:
+            return int(dataclasses.replace(self, dense_layers=0)._layer_params(False))
+        return int(self._layer_params(False))
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width one token runs through: the dense MLP's, or its experts' and the shared one's."""
+        if not self.experts:
+            return self.intermediate
+        return max(self.intermediate if self.dense_layers else 0,
+                   self.experts_per_token * self.expert_size + self.shared_expert_size)
 
     def lora_params(self, rank: int, targets) -> int:
         """The adapter's parameters: rank x (in + out) per adapted linear layer (all-linear: every linear layer of
@@ -71,7 +107,13 @@ class ModelShape:
     @property
     def params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * self.layer_params + embeddings + self.hidden
+        return int(self.layers * self._layer_params(False)) + embeddings + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token runs through: all of a dense model, a mixture of experts' routed ones only."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return int(self.layers * self._layer_params(True)) + embeddings + self.hidden
 
 
 @dataclass(frozen=True)
@@ -143,7 +185,7 @@ def layer_activation_bytes(m: ModelShape, b: int) -> int:
     fp32 input and output, q/k/v before and after the rotary embedding, k/v repeated to every query head (GQA),
     attention output and o_proj input, and the MLP's gate, up, activation and product."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return 2 * (8 * m.hidden + b * m.hidden) + b * (5 * q + 4 * kv + 2 * q + 4 * m.intermediate)
+    return 2 * (8 * m.hidden + b * m.hidden) + b * (5 * q + 4 * kv + 2 * q + 4 * m.mlp_width)
 
 
 def logits_bytes(m: ModelShape, positions: int, b: int, backward: bool, nucleus: bool = False) -> int:
@@ -207,7 +249,7 @@ def rank_bytes(m: ModelShape, s: Setup) -> dict:
         activations += sequence_exchange_bytes(m, s, T)
     logits = logits_bytes(m, min(s.chunk, T) if s.chunk else T, b, backward=True, nucleus=s.top_p < 1)
     # A log-prob pass keeps no activations: one layer's at a time, and its logits (chunked alike).
-    logprob_pass = s.logprob_tokens * b * (4 * m.hidden + 2 * m.intermediate) + logits_bytes(
+    logprob_pass = s.logprob_tokens * b * (4 * m.hidden + 2 * m.mlp_width) + logits_bytes(
         m, min(s.chunk, s.logprob_tokens) if s.chunk else s.logprob_tokens, b, backward=False, nucleus=s.top_p < 1)
     # The sparse sync's baseline: this rank's part (its ZeRO-3 partition, or an equal share) of every weight as the
     # engines hold it, to find what changed (weight_export.WeightExport.broadcast_patches).
@@ -273,7 +315,7 @@ def plan(m: ModelShape, s: Setup, device_bytes, checked: bool) -> dict:
     """The rank's and the engine's estimates against the device's memory (in the hybrid engine also the shared
     device's phases); checked: whether a miss refuses the run (see device_memory)."""
     rank, engine = rank_bytes(m, s), engine_bytes(m, s, device_bytes)
-    p = {"params": m.params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
+    p = {"params": m.params, "active_params": m.active_params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
          "vllm_engine": engine, "setup": dataclasses.asdict(s)}
     if s.hybrid and s.device == "cuda":
         p["hybrid"] = hybrid_bytes(m, rank, engine, s)
@@ -355,7 +397,8 @@ def table(p: dict) -> str:
     r, e, device = p["trainer_rank"], p["vllm_engine"], p["device_memory"]
     gb = lambda v: "-" if v is None else f"{v / GB:.2f}"  # noqa: E731
     host = p.get("host")
-    rows = [f"memory plan ({p['params'] / 1e9:.3f}B parameters; device {gb(device)} GB"
+    active = f", {p['active_params'] / 1e9:.3f}B active" if p.get("active_params", p["params"]) < p["params"] else ""
+    rows = [f"memory plan ({p['params'] / 1e9:.3f}B parameters{active}; device {gb(device)} GB"
             + ("" if p["checked"] else ", host memory" if host else ", not checked") + ")",
             "  trainer rank: " + ", ".join(f"{k} {gb(v)}" for k, v in r.items() if k != "total")
             + f" -> {gb(r['total'])} GB",

@@ -19,6 +19,7 @@ from openrlhf_async.trainer.losses import (
     token_logprobs,
 )
 from openrlhf_async.trainer.rank import EMPTY_SAMPLE, DeepSpeedRank, frozen_model_config
+from openrlhf_async.trainer.routing_replay import RoutingReplay, layout_routes, routers
 from openrlhf_async.trainer.weight_export import WeightExport, probe_ids
 
 
@@ -58,6 +59,9 @@ class PolicyActor(DeepSpeedRank):
         self.reference = (self._load_reference(model_path, frozen_model_config(settings["ds"]))
                           if reference and not self.lora else None)
         self.weights = WeightExport(self.engine.module, self.lora, self.zero_stage, rank, self.timeline)
+        # A mixture of experts: the rollout's routes replayed (or, with --no-actor.routing_replay, only compared)
+        self.replay = RoutingReplay(self.engine.module, settings["model"].get("routing_replay", True)) if routers(
+            self.engine.module) else None
 
     def _build(self, model_path, load: dict, model: dict, ds: dict):
         """The trained model (see model_settings), before DeepSpeed wraps it: the causal LM, with its adapter."""
@@ -90,6 +94,11 @@ class PolicyActor(DeepSpeedRank):
         """[B, T] log-probs (and entropies) of one forward pass over samples, laid out as layout says (packing,
         chunk: see batching_settings); top_p < 1: of the rollout's nucleus distribution."""
         inputs = Layout.of(samples, layout["packing"]).to(self._device())
+        if self.replay is not None:  # the policy's own forward (not the reference's), rows whole on this rank
+            config = self.engine.module.config
+            routes = None if model is self.reference or self.sequence is not None else layout_routes(
+                samples, inputs.ids.shape[1], layout["packing"], config.num_hidden_layers, config.num_experts_per_tok)
+            self.replay.set(None if routes is None else routes.to(self._device()))
         return target_logprobs(model, inputs, temperature, layout["chunk"], entropy, top_p, self.sequence)
 
     def train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
@@ -102,7 +111,10 @@ class PolicyActor(DeepSpeedRank):
 
     def _train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
         self.engine.train()
-        figures = dict.fromkeys(["loss", "clipped", "corrected", "weight", "vllm_kl", "kl", "entropy"], 0.0)
+        figures = dict.fromkeys(["loss", "clipped", "corrected", "weight", "vllm_kl", "vllm_gap", "vllm_gap_max", "kl",
+                                 "entropy"], 0.0)
+        if self.replay is not None:
+            self.replay.take_counts()  # from this step's forward passes on
         tokens = 0
         kl_cfg, agg = loss_cfg["kl"], loss_cfg["agg"]
         # GSPO's loss is a mean per sequence, as in OpenRLHF.
@@ -136,12 +148,14 @@ class PolicyActor(DeepSpeedRank):
                 figures["entropy"] += float((entropy.detach() * mask).sum())
             self._backward(loss, last=k == len(micro_batches) - 1)
             figures["loss"] += float(loss)
-            for key in ("clipped", "corrected", "weight", "vllm_kl"):
+            for key in ("clipped", "corrected", "weight", "vllm_kl", "vllm_gap"):
                 figures[key] += float(out[key])
+            figures["vllm_gap_max"] = max(figures["vllm_gap_max"], out["vllm_gap_max"])
             if kl is not None:
                 figures["kl"] += float((kl.detach() * mask).sum())
             tokens += int(mask.sum())
         lr, grad_norm = self._optimizer_step()
+        figures["routes_known"], figures["routes_differ"] = self._routes_done()
         return {**figures, "tokens": tokens, "grad_norm": grad_norm, "lr": lr}
 
     @torch.no_grad()
@@ -159,6 +173,8 @@ class PolicyActor(DeepSpeedRank):
                 logp, _ = self._logprobs(model, micro or [EMPTY_SAMPLE], temperature, layout, top_p=top_p)
                 out.append([logp[i, len(s["prompt_ids"]) - 1 : sample_length(s) - 1].tolist()
                             for i, s in enumerate(micro)])
+            if self.replay is not None:
+                self.replay.set(None)
             return out
 
     @torch.no_grad()
@@ -168,6 +184,8 @@ class PolicyActor(DeepSpeedRank):
         against, and the trainer's side of the weight sync's probe). Under ZeRO-3 every rank must call this with the
         same samples (parameters are gathered collectively)."""
         self.engine.eval()
+        if self.replay is not None:  # the model's own routing: these are the trainer's reference log-probs
+            self.replay.set(None)
         inputs = Layout.of(samples, packed=False).to(self._device())
         off = self.engine.module.disable_adapter() if self.lora and not adapter else contextlib.nullcontext()
         with off:
@@ -180,6 +198,19 @@ class PolicyActor(DeepSpeedRank):
             pos = mask[i].bool()
             out.append({"logprobs": logp[i][pos].tolist(), "greedy_ids": greedy[i][pos].tolist()})
         return out
+
+    def _routes_done(self) -> tuple:
+        """The last micro batch's routes forgotten (its backward is done: no later forward may replay them) and the
+        counts since the last call: (tokens with the rollout's routes, of them routed apart)."""
+        if self.replay is None:
+            return 0, 0
+        self.replay.set(None)
+        return self.replay.take_counts()
+
+    def routing_counts(self) -> tuple:
+        """A mixture of experts': (tokens with the rollout's routes, of them routed apart by the trainer) over the
+        forward passes since the last call or step (routing_replay.RoutingReplay)."""
+        return self._routes_done()
 
     def read_parameter(self, name: str) -> torch.Tensor:
         """A parameter of the trained module by its own name (with LoRA: peft's, e.g. ...lora_B.default.weight)."""

@@ -234,6 +234,9 @@ class PolicyGroup(RankGroup):
             "is_weight_mean": total["weight"] / tokens,
             "is_filter_ratio": total["corrected"] / tokens,
             "vllm_kl": total["vllm_kl"] / tokens,
+            # |vLLM's log-prob - the trainer's| over the step's model tokens: the mismatch the correction absorbs
+            "vllm_logprob_gap_mean": total["vllm_gap"] / tokens,
+            "vllm_logprob_gap_max": max(r["vllm_gap_max"] for r in results),
             "kl": total["kl"] / tokens,
             "grad_norm": results[0]["grad_norm"],
             "lr": results[0]["lr"],
@@ -241,6 +244,8 @@ class PolicyGroup(RankGroup):
         }
         if loss_cfg["entropy_coef"] is not None:
             figures["entropy"] = total["entropy"] / tokens
+        if total["routes_known"]:  # a mixture of experts': the share of routed tokens the trainer routes elsewhere
+            figures["routing/differ_share"] = total["routes_differ"] / total["routes_known"]
         return figures
 
 
@@ -280,7 +285,7 @@ def model_settings(cfg) -> dict:
     return {"attn_implementation": cfg.ds.attn_implementation, "device": cfg.device,
             "experts_implementation": cfg.ds.experts_implementation,
             "gradient_checkpointing": a.gradient_checkpointing_enable, "reentrant": a.gradient_checkpointing_reentrant,
-            "deterministic": cfg.train.full_determinism_enable}
+            "deterministic": cfg.train.full_determinism_enable, "routing_replay": a.routing_replay}
 
 
 def batching_settings(cfg) -> dict:

@@ -13,7 +13,9 @@ def episode_parts(episode) -> list:
     """An episode's segments as episodes of their own (sharing its reward and finish), the last being itself."""
     import dataclasses
 
-    return [dataclasses.replace(episode, segments=[], **segment) for segment in episode.segments] + [episode]
+    # An earlier segment's tokens are not the episode's: the routes recorded for the episode's are not its own.
+    return [dataclasses.replace(episode, segments=[], routes=None, **segment) for segment in episode.segments] + [
+        episode]
 
 
 def part_rewards(episode, reward: float) -> list:

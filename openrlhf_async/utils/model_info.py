@@ -14,7 +14,9 @@ EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def is_embedded(model: str) -> bool:
     """Whether --actor.model_name_or_path names a shipped model: nothing (the tiny Qwen2), one by name, or its
     folder."""
-    return not model or model in EMBEDDED_MODELS or os.path.dirname(os.path.abspath(model)) == EMBEDDED_DIR
+    folder = os.path.abspath(model or "")
+    return not model or model in EMBEDDED_MODELS or (
+        os.path.dirname(folder) == EMBEDDED_DIR and os.path.basename(folder) in ("tiny-qwen2", *EMBEDDED_MODELS))
 
 
 def is_gguf(path: str) -> bool:
@@ -74,3 +76,14 @@ def model_config(model) -> dict:
 
         socket.create_connection(("huggingface.co", 443), timeout=3).close()  # an offline login node fails fast
         return AutoConfig.from_pretrained(model).to_dict()
+
+
+def model_experts(model) -> int:
+    """The experts per layer of a mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral: num_experts or
+    num_local_experts in its config), 0 for a dense model or one whose config cannot be read here."""
+    try:
+        config = model_config(model)
+    except Exception:  # an offline hub id: read again, with a clear error, where the model is needed
+        return 0
+    config = config.get("text_config") or config
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
