@@ -65,6 +65,29 @@ def test_lora_on_a_mixture_of_experts_is_refused_in_one_line():
         refused.value) and "\n" not in str(refused.value)
 
 
+def test_a_mixture_of_experts_whose_experts_are_not_mapped_is_refused_in_one_line(tmp_path):
+    """Mixtral's experts load in vLLM under other names (block_sparse_moe...w1/w2/w3): refused, not sent wrong."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8,
+                                                      "max_position_embeddings": 32768}))
+    with pytest.raises(ConfigError) as refused:
+        preset_config("--actor.model_name_or_path", str(tmp_path))
+    assert str(refused.value) == (f"--actor.model_name_or_path {tmp_path}: a mixture of experts of type mixtral, whose "
+                                  "experts' weights this project does not map to vLLM's names; the types built: "
+                                  "qwen2_moe, qwen3_moe")
+
+
+def test_routing_replay_turns_on_eager_engines_which_record_the_routes(capsys):
+    """Compiled graphs (CUDA graphs, vLLM-CPU's torch.compile) run vLLM's routers without the hook that records the
+    routes (measured on CPU: no route reached the trainer): routing replay turns --vllm.enforce_eager on, saying so;
+    turned off, the engines keep their graphs."""
+    for device in ("cuda", "cpu"):
+        flags = ("--actor.model_name_or_path", QWEN3_30B_A3B, "--device", device, "--no-vllm.enforce_eager")
+        assert preset_config(*flags).vllm.enforce_eager
+        assert "notice: --actor.routing_replay turns on --vllm.enforce_eager: " in capsys.readouterr().err
+        assert not preset_config(*flags, "--no-actor.routing_replay").vllm.enforce_eager
+    assert not preset_config("--no-vllm.enforce_eager").vllm.enforce_eager  # a dense model: untouched
+
+
 def test_the_moe_script_passes_its_dry_run_within_80_gb(tmp_path):
     """examples/scripts/train_fully_async_qwen3_30b_a3b.sh on Qwen3-30B-A3B's published config."""
     import subprocess

@@ -5,7 +5,9 @@
 # ahead, each optimizer step takes 4 batches, weights sync every 4 steps and episodes in flight at a sync continue on
 # the new weights (partial rollout), with token-level TIS against vLLM's log-probs (clip 0..2).
 # The experts sync under the checkpoint's per-expert names (experts.{e}.gate_proj/up_proj/down_proj), which vLLM
-# loads into its fused expert tensors.
+# loads into its fused expert tensors. Routing replay (on by default): the trainer routes each token to the experts
+# vLLM routed it to, recorded by a hook on vLLM's routers that CUDA graphs do not run, hence --vllm.enforce_eager
+# (slower decoding; --no-actor.routing_replay instead keeps the graphs and trains on the trainer's own routing).
 # Resources: 32 GPUs (4 nodes x 8): 16 DeepSpeed ZeRO-3 trainer ranks (the 30.5B parameters' fp32 Adam states
 # split 16 ways: about 23 GB a rank) + 8 vLLM engines of tensor parallel 2 (61 GB of bf16 weights on two GPUs each).
 # `--dry_run --plan.device_memory_gb 80` prints the memory plan of one rank and one engine GPU.
@@ -18,7 +20,7 @@ submit \
   --train.async_enable --train.partial_rollout_enable --ckpt.output_dir "{run_dir}/final_hf" --ckpt.path "{run_dir}/ckpt" \
   --train.staleness_threshold 0.5 --train.trigger_parameter_sync_step 4 --train.require_batches 4 \
   --actor.model_name_or_path "${MODEL:-Qwen/Qwen3-30B-A3B}" \
-  --vllm.num_engines 8 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.85 \
+  --vllm.num_engines 8 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.85 --vllm.enforce_eager \
   --actor.num_nodes 2 --actor.num_gpus_per_node 8 --ds.zero_stage 3 --ds.param_dtype bf16 \
   --data.prompt_dataset "$DATA_DIR/dapo-math-17k.jsonl" --eval.dataset "$DATA_DIR/aime24.jsonl" \
   --data.input_key prompt --data.label_key label --data.apply_chat_template \

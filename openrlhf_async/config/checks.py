@@ -20,7 +20,8 @@ from openrlhf_async.config.setting import (EACH, FLOAT_LIMIT, INT_LIMIT, PAIR, W
                                            value_type)
 from openrlhf_async.errors import ConfigError, notice
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
-from openrlhf_async.utils.model_info import EMBEDDED_DIR, EMBEDDED_MODELS, is_gguf, model_experts
+from openrlhf_async.utils.model_info import (EMBEDDED_DIR, EMBEDDED_MODELS, MOE_TYPES, is_gguf, model_config_type,
+                                             model_experts)
 from openrlhf_async.utils.wandb_mode import resolve_wandb_mode, wandb_api_key_available
 
 
@@ -399,6 +400,16 @@ def _validate_model(cfg: Config) -> None:
         cfg.data.max_len = positions
     if cfg.device == "cpu" and cfg.ds.param_dtype == "fp16":
         raise ConfigError("--ds.param_dtype fp16 does not train on cpu; use bf16 or fp32")
+    experts = model_experts(model)
+    if experts and model_config_type(model) not in MOE_TYPES:
+        raise ConfigError(f"--actor.model_name_or_path {model}: a mixture of experts of type "
+                          f"{model_config_type(model)}, whose experts' weights this project does not map to vLLM's "
+                          f"names; the types built: {', '.join(MOE_TYPES)}")
+    if cfg.actor.routing_replay and not cfg.vllm.enforce_eager and experts:
+        cfg.vllm.enforce_eager = True
+        notice(f"--actor.routing_replay turns on --vllm.enforce_eager: {model} is a mixture of experts, whose routes "
+               "the engines record through a hook on each router that compiled graphs (CUDA graphs, torch.compile) "
+               "run without; --no-actor.routing_replay keeps them, training on the trainer's own routing")
     if cfg.ds.ring_attn_size > 1 and model and os.path.isdir(model):
         config = read_model_config("--actor.model_name_or_path", model)
         windowed = ("sliding_attention" in (config.get("layer_types") or []) or config.get("use_sliding_window")

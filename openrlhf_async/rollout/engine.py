@@ -100,9 +100,12 @@ class LLMRayActorAsync:
         self._endpoint_lock = asyncio.Lock()
         self.runner = GroupRunner(agent, reward, self.tokenizer)
         # A mixture of experts: the experts vLLM routes each token to, recorded in its workers (rollout/routes.py;
-        # started by ready), and each group's requests that ended: (vLLM's ids of it, its tokens or None)
-        self.records_routes = model_experts(model_path) > 0
+        # started by ready; compiled graphs run the routers without the hook, so eager only). Per group
+        # of generate_group, its requests that ended: (vLLM's ids of it, its tokens or None); the ids of the other
+        # requests', dropped from the workers at the next take.
+        self.records_routes = model_experts(model_path) > 0 and vllm.enforce_eager
         self.group_requests: dict = {}
+        self.stray_routes: list = []
 
     async def ready(self) -> bool:
         if self.agent_cfg.openai_port:  # an address fixed by the flags: one that cannot be bound stops the run now
@@ -159,8 +162,7 @@ class LLMRayActorAsync:
                 prompt = {"prompt_token_ids": prompt_ids} if isinstance(prompt_ids, list) else prompt_ids
                 queue = await self.engine.add_request(request_id, prompt, params, **options)
                 marks.registered = True
-                if self.records_routes:  # vLLM's own ids of it, which its workers file the routes under
-                    internal = list(self.engine.output_processor.external_req_ids.get(request_id, ()))
+                internal = [queue.request_id]  # vLLM's own id of it, which its workers file the routes under
                 final = None
                 while final is None or not final.finished:
                     final = queue.get_nowait() or await queue.get()
@@ -171,10 +173,12 @@ class LLMRayActorAsync:
             finally:
                 if final is not None:
                     self.tokens_finished += len(final.outputs[0].token_ids)
-                if self.records_routes and queue is not None:
+                if self.records_routes and queue is not None and group_id in self.group_requests:
                     tokens = (list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
                               if final is not None and final.finished else None)
-                    self.group_requests.setdefault(group_id, []).append((internal, tokens))
+                    self.group_requests[group_id].append((internal, tokens))
+                elif self.records_routes and queue is not None:
+                    self.stray_routes += internal
                 self.in_flight.pop(request_id, None)
                 self.version_marks.pop(request_id, None)
                 if not self.in_flight:
@@ -236,6 +240,8 @@ class LLMRayActorAsync:
         prompt: the dataset's prompt (text or chat messages), which an OpenAI-API agent sends itself.
         info: the dataset row's data_source and extra_info, for a veRL compute_score reward (None: none)."""
         self.groups.setdefault(group_id, set())
+        if self.records_routes:
+            self.group_requests[group_id] = []
         try:
             episodes = await self.runner.run(self, prompt_ids, label, n, sampling, group_id, budget, agent_path,
                                              screen, group_filter, reward_source, prompt, info)
@@ -245,14 +251,15 @@ class LLMRayActorAsync:
         finally:
             self.groups.pop(group_id, None)
             self.aborted_groups.discard(group_id)
-            if self.group_requests.get(group_id):  # cancelled: the routes its requests left in the workers go
+            if group_id in self.group_requests:  # cancelled: the routes its requests left in the workers go
                 self._drop_routes(group_id)
 
     async def _take_routes(self, group_id: str) -> list:
         """[(tokens, routes or None)] of the group's requests that ended, in order, their routes taken from the
         workers (all of them: each holds what it recorded; the first's are returned)."""
         requests = self.group_requests.pop(group_id, [])
-        ids = [i for internal, _ in requests for i in internal]
+        ids = [i for internal, _ in requests for i in internal] + self.stray_routes
+        self.stray_routes = []
         taken = (await self.engine.collective_rpc("take_routes", args=(ids,)))[0] if ids else {}
         return [(tokens, routes_array(*taken[internal[0]]) if internal and internal[0] in taken else None)
                 for internal, tokens in requests if tokens is not None]
@@ -477,6 +484,9 @@ def engine_env(cfg, bundles: tuple = None) -> dict:
         if executor_backend(cfg.vllm) == "uni":
             # vLLM-CPU turns "uni" into "mp" unless this is 0; AsyncLLM still runs the engine core in its own process.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cfg.vllm.enforce_eager and model_experts(cfg.actor.model_name_or_path):
+        # The route recorder (rollout/routes.py) reads the V1 model runner's batch; with Triton vLLM 0.32 runs V2.
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return env
 
 

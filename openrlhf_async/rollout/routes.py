@@ -27,6 +27,9 @@ class RouteRecorder:
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
         self.runner = model_runner
+        if not all(hasattr(model_runner, a) for a in ("input_batch", "query_start_loc", "positions")):
+            raise ValueError(f"routing replay: vLLM's {type(model_runner).__name__} does not lay its batch out as the V1 "
+                             "model runner does (VLLM_USE_V2_MODEL_RUNNER=0); run with --no-actor.routing_replay")
         routers = [(m.layer_id, m.router) for m in model_runner.model.modules()
                    if isinstance(m, MoERunner) and isinstance(m.router, BaseRouter)]
         if not routers:
@@ -34,21 +37,27 @@ class RouteRecorder:
         config = model_runner.model_config.hf_text_config
         self.layers, self.top_k = config.num_hidden_layers, config.num_experts_per_tok
         self.first, self.last = min(layer for layer, _ in routers), max(layer for layer, _ in routers)
-        self.step = None  # this forward step's [tokens, layers, top_k]
+        self.step = {}  # this forward step's top-k ids by layer, on the device: copied to the host once per step
         self.routes = {}
         for layer, router in routers:
             router.set_capture_fn(lambda ids, layer=layer: self.capture(layer, ids))
 
     def capture(self, layer: int, topk_ids) -> None:
-        n = topk_ids.shape[0]
-        if self.step is None or self.step.shape[0] != n or layer == self.first:
-            self.step = np.full((n, self.layers, self.top_k), UNKNOWN, dtype=np.int16)
-        self.step[:, layer] = topk_ids.cpu().numpy()
+        if layer == self.first:
+            self.step = {}
+        self.step[layer] = topk_ids.detach().clone()
         if layer == self.last:
-            self._file(n)
+            import torch
 
-    def _file(self, n: int) -> None:
+            n = topk_ids.shape[0]
+            rows = np.full((n, self.layers, self.top_k), UNKNOWN, dtype=np.int16)
+            layers = sorted(self.step)
+            rows[:, layers] = torch.stack([self.step[k][:n] for k in layers], 1).cpu().numpy()
+            self._file(rows)
+
+    def _file(self, rows) -> None:
         """The step's rows under each scheduled request, at the positions the runner gave its tokens."""
+        n = rows.shape[0]
         batch = self.runner.input_batch
         starts = self.runner.query_start_loc.np
         positions = self.runner.positions[:n].cpu().numpy()
@@ -64,7 +73,7 @@ class RouteRecorder:
                 if held is not None:
                     grown[: held.shape[0]] = held
                 held = self.routes[request_id] = grown
-            held[where] = self.step[first:end]
+            held[where] = rows[first:end]
 
     def take(self, request_ids: list) -> dict:
         """The routes of these requests (those recorded), forgotten here, as (bytes, shape): msgpack carries bytes

@@ -20,7 +20,7 @@ def routers(model) -> list:
     found = []
     for name, module in model.named_modules():
         parts = name.split(".")
-        if len(parts) >= 3 and parts[-1] == "gate" and parts[-2] == "mlp" and hasattr(module, "top_k") and (
+        if len(parts) >= 4 and parts[-1] == "gate" and parts[-2] == "mlp" and hasattr(module, "top_k") and (
                 parts[-4] == "layers" and parts[-3].isdigit()):
             found.append((int(parts[-3]), module))
     return found
@@ -32,7 +32,7 @@ class RoutingReplay:
 
     def __init__(self, model, replay: bool):
         self.replay = replay
-        self.routes = None  # [tokens of the flattened rows, layers, top_k] long, -1 unknown
+        self.routes = None  # [tokens of the flattened rows, layers, top_k] int16, -1 unknown
         self.known = self.differ = 0
         self.hooks = [router.register_forward_hook(self._hook(layer)) for layer, router in routers(model)]
 
@@ -50,7 +50,7 @@ class RoutingReplay:
             if self.routes is None or not isinstance(output, tuple) or len(output) != 3:
                 return None
             logits, weights, indices = output
-            given = self.routes[:, layer].to(indices.device)
+            given = self.routes[:, layer].to(indices.device, torch.long)
             if given.shape[0] != indices.shape[0]:  # not this micro batch's rows (a stand-in forward)
                 return None
             known = (given >= 0).all(-1)
@@ -71,19 +71,19 @@ class RoutingReplay:
 
 
 def layout_routes(samples: list, width: int, packed: bool, layers: int, top_k: int):
-    """The samples' routes laid out as the forward's flattened tokens ([rows x width, layers, top_k] long, -1
+    """The samples' routes laid out as the forward's flattened tokens ([rows x width, layers, top_k] int16, -1
     unknown): one row per sample right-padded to width, or (packed) one row of them all. None when no sample has
     routes."""
     if not any(s.get("routes") is not None for s in samples):
         return None
     lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     rows = 1 if packed else len(samples)
-    out = torch.full((rows * (sum(lengths) if packed else width), layers, top_k), -1, dtype=torch.long)
+    out = torch.full((rows * (sum(lengths) if packed else width), layers, top_k), -1, dtype=torch.int16)
     start = 0
     for i, (s, n) in enumerate(zip(samples, lengths)):
         begin = start if packed else i * width
         if s.get("routes") is not None:
-            r = torch.as_tensor(s["routes"][:n], dtype=torch.long)
+            r = torch.as_tensor(s["routes"][:n], dtype=torch.int16)
             out[begin : begin + r.shape[0]] = r
         start += n
     return out

@@ -78,6 +78,19 @@ def model_config(model) -> dict:
         return AutoConfig.from_pretrained(model).to_dict()
 
 
+# Mixtures of experts whose fused experts (transformers 5: experts.gate_up_proj [experts, 2 x size, hidden], gate
+# rows first; experts.down_proj [experts, hidden, size]) vLLM loads as experts.{e}.gate_proj/up_proj/down_proj.
+MOE_TYPES = ("qwen2_moe", "qwen3_moe")
+
+
+def model_config_type(model) -> str:
+    try:
+        config = model_config(model)
+    except Exception:
+        return ""
+    return (config.get("text_config") or config).get("model_type", "")
+
+
 def model_experts(model) -> int:
     """The experts per layer of a mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral: num_experts or
     num_local_experts in its config), 0 for a dense model or one whose config cannot be read here."""
