@@ -131,6 +131,7 @@ def test_through_the_command_line_every_sync_leaves_vllm_with_the_trainers_weigh
         if "vllm_kl" in s:
             assert abs(s["vllm_kl"]) < 1e-5 and s["staleness/max"] == 0, s
             assert s["vllm_logprob_gap_max"] < 1e-4 and s["routing/differ_share"] == 0.0, s
+            assert 0.85 < s["routing/recorded_share"] < 1.0, s  # every token but each sample's last
 
 
 def test_after_a_step_and_a_sync_vllms_greedy_tokens_and_log_probs_are_the_trainers(ray_cluster, moe_path):
@@ -164,6 +165,38 @@ def test_after_a_step_and_a_sync_vllms_greedy_tokens_and_log_probs_are_the_train
     finally:
         policy.shutdown()
         ray.kill(engine)
+
+
+ASK_AGAIN = """
+async def step(state, action, label):
+    if "#" not in state:  # the first answer: shown back with a mark, and answered again
+        return 0.0, state + action + "#", False, {}
+    right = float(action.strip() == label)
+    return right, state + action, True, {"accuracy": right}
+"""
+
+
+def test_a_two_turn_episode_replays_the_routes_of_both_turns(tmp_path):
+    """The second turn's request reads the first turn's tokens from vLLM's prefix cache: their routes come from the
+    first turn's request, the rest from the second's, and in fp32 every one is where the trainer routes it."""
+    from openrlhf_async.cli.train_async import main
+    from openrlhf_async.config import preset_path
+
+    agent = tmp_path / "ask_again.py"
+    agent.write_text(ASK_AGAIN)
+    assert main(["@" + preset_path("tiny_cpu"), "--runs_dir", str(tmp_path / "runs"), "--no-progress",
+                 "--actor.model_name_or_path", "tiny-qwen3-moe", "--train.max_steps", "2", "--eval.steps", "-1",
+                 "--rollout.batch_size", "8", "--train.batch_size", "64", "--rollout.vllm_generate_batch_size", "16",
+                 "--train.agent_func_path", str(agent), "--agent.max_steps", "2",
+                 "--no-algo.dynamic_filtering_enable"]) == 0
+    steps = [json.loads(line) for line in (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [s for s in steps if "vllm_kl" in s]
+    assert len(trained) == 2
+    for s in trained:
+        assert s["rollout/observation_len_mean"] > 0  # episodes went on to a second turn after the "#"
+        assert s["routing/differ_share"] == 0.0 and s["vllm_logprob_gap_max"] < 1e-4, s
+        # every token but each sample's last has vLLM's routes (samples of 12 to 20 tokens)
+        assert 0.9 < s["routing/recorded_share"] < 1.0, s
 
 
 @pytest.fixture(scope="module")

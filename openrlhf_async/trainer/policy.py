@@ -112,7 +112,7 @@ class PolicyActor(DeepSpeedRank):
     def _train_step(self, micro_batches: list, totals: dict, loss_cfg: dict, layout: dict) -> dict:
         self.engine.train()
         figures = dict.fromkeys(["loss", "clipped", "corrected", "weight", "vllm_kl", "vllm_gap", "vllm_gap_max", "kl",
-                                 "entropy"], 0.0)
+                                 "entropy", "routes_tokens"], 0.0)
         if self.replay is not None:
             self.replay.take_counts()  # from this step's forward passes on
         tokens = 0
@@ -154,6 +154,9 @@ class PolicyActor(DeepSpeedRank):
             if kl is not None:
                 figures["kl"] += float((kl.detach() * mask).sum())
             tokens += int(mask.sum())
+            if self.replay is not None and self.sequence is None:  # the tokens a route could be replayed at
+                real = sum(sample_length(s) for s in micro if s is not EMPTY_SAMPLE)
+                figures["routes_tokens"] += len(self.replay.hooks) * real
         lr, grad_norm = self._optimizer_step()
         figures["routes_known"], figures["routes_differ"] = self._routes_done()
         return {**figures, "tokens": tokens, "grad_norm": grad_norm, "lr": lr}

@@ -244,7 +244,11 @@ class PolicyGroup(RankGroup):
         }
         if loss_cfg["entropy_coef"] is not None:
             figures["entropy"] = total["entropy"] / tokens
-        if total["routes_known"]:  # a mixture of experts': the share of routed tokens the trainer routes elsewhere
+        if total["routes_tokens"]:  # a mixture of experts': of its tokens and MoE layers, the share with vLLM's
+            # routes (all but each sample's last token, never fed back, where every request's were recorded) and of
+            # those the share the trainer's own routing sends elsewhere
+            figures["routing/recorded_share"] = total["routes_known"] / total["routes_tokens"]
+        if total["routes_known"]:
             figures["routing/differ_share"] = total["routes_differ"] / total["routes_known"]
         return figures
 
