@@ -1,6 +1,7 @@
 """Session-wide real stack for the end-to-end tests: one Ray cluster, one tiny model, shared engines and policy.
 Engine start dominates test time (15-20 s each), so they are started once and shared."""
 
+import contextlib
 import os
 
 import pytest
@@ -97,6 +98,25 @@ def preset_config(*flags, validated: bool = True):
 
     cfg = preset("tiny_cpu", *flags)
     return validate(cfg) if validated else cfg
+
+
+@contextlib.contextmanager
+def engine_and_policy(cfg, model_path):
+    """One vLLM engine and the policy's ranks on the model, on the session's Ray (the caller names ray_cluster); both
+    gone on leaving."""
+    import ray
+
+    from openrlhf_async.rollout.engine import create_engines
+    from openrlhf_async.trainer.ranks import PolicyGroup
+
+    engines = create_engines(cfg, model_path)
+    policy = PolicyGroup(cfg, model_path)
+    try:
+        yield engines[0], policy
+    finally:
+        policy.shutdown()
+        for engine in engines:
+            ray.kill(engine)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from conftest import preset_config
+from conftest import engine_and_policy, preset_config
 from openrlhf_async.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,14 +140,10 @@ def test_after_a_step_and_a_sync_vllms_greedy_tokens_and_log_probs_are_the_train
     from test_sparse_sync import _train
     from test_weight_sync import _greedy, _prompt_ids
 
-    from openrlhf_async.rollout.engine import create_engines
-    from openrlhf_async.trainer.ranks import PolicyGroup
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     cfg = preset_config("--actor.model_name_or_path", "tiny-qwen3-moe", "--vllm.num_engines", "1")
-    engine = create_engines(cfg, moe_path)[0]
-    policy = PolicyGroup(cfg, moe_path)
-    try:
+    with engine_and_policy(cfg, moe_path) as (engine, policy):
         prompts = _prompt_ids(moe_path, 6)
         sync = WeightSync(policy, [engine], cfg)
         before = _greedy(engine, prompts)
@@ -162,9 +158,6 @@ def test_after_a_step_and_a_sync_vllms_greedy_tokens_and_log_probs_are_the_train
         for out, ref in zip(outs, refs):
             assert out["response_ids"] == ref["greedy_ids"], "vLLM's greedy tokens differ from the trainer's argmax"
             assert max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"])) <= 1e-4
-    finally:
-        policy.shutdown()
-        ray.kill(engine)
 
 
 ASK_AGAIN = """
@@ -201,16 +194,9 @@ def test_a_two_turn_episode_replays_the_routes_of_both_turns(tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_bf16_stack(ray_cluster, moe_path):
-    from openrlhf_async.rollout.engine import create_engines
-    from openrlhf_async.trainer.ranks import PolicyGroup
-
     cfg = preset_config(*BF16)
-    engines = create_engines(cfg, moe_path)
-    policy = PolicyGroup(cfg, moe_path)
-    yield cfg, policy, engines[0]
-    policy.shutdown()
-    for engine in engines:
-        ray.kill(engine)
+    with engine_and_policy(cfg, moe_path) as (engine, policy):
+        yield cfg, policy, engine
 
 
 def test_sparse_syncs_of_the_experts_leave_the_engine_with_the_trainers_bf16_weights(moe_bf16_stack, moe_path):

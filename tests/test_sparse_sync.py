@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from conftest import preset_config
+from conftest import engine_and_policy, preset_config
 from openrlhf_async.rollout.sync_group import (
     add_fingerprints,
     fingerprint,
@@ -96,16 +96,9 @@ def test_patches_travel_as_indices_or_as_a_bitmap_whichever_is_fewer_bytes(chang
 
 @pytest.fixture(scope="module")
 def bf16_stack(ray_cluster, tiny_model_path):
-    from openrlhf_async.rollout.engine import create_engines
-    from openrlhf_async.trainer.ranks import PolicyGroup
-
     cfg = preset_config(*BF16)
-    engines = create_engines(cfg, tiny_model_path)
-    policy = PolicyGroup(cfg, tiny_model_path)
-    yield cfg, policy, engines[0]
-    policy.shutdown()
-    for engine in engines:
-        ray.kill(engine)
+    with engine_and_policy(cfg, tiny_model_path) as (engine, policy):
+        yield cfg, policy, engine
 
 
 def _train(policy, cfg, prompts, scale=1.0):

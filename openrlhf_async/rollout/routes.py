@@ -18,6 +18,14 @@ import numpy as np
 UNKNOWN = -1
 
 
+def records_routes(model_path: str, vllm) -> bool:
+    """Whether an engine records routes: a mixture of experts, run eagerly (compiled graphs run the routers without
+    the hook; routing replay turns --vllm.enforce_eager on)."""
+    from openrlhf_async.utils.model_info import model_experts
+
+    return bool(vllm.enforce_eager and model_experts(model_path))
+
+
 class RouteRecorder:
     """Inside a vLLM worker: each MoE layer's top-k expert ids of each forward step, filed per request by position
     ({request id: [positions, layers, top_k] int16, -1 where not computed}) until taken."""
@@ -28,8 +36,8 @@ class RouteRecorder:
 
         self.runner = model_runner
         if not all(hasattr(model_runner, a) for a in ("input_batch", "query_start_loc", "positions")):
-            raise ValueError(f"routing replay: vLLM's {type(model_runner).__name__} does not lay its batch out as the V1 "
-                             "model runner does (VLLM_USE_V2_MODEL_RUNNER=0); run with --no-actor.routing_replay")
+            raise ValueError(f"routing replay: vLLM's {type(model_runner).__name__} does not lay its batch out as the "
+                             "V1 model runner does (VLLM_USE_V2_MODEL_RUNNER=0); run with --no-actor.routing_replay")
         routers = [(m.layer_id, m.router) for m in model_runner.model.modules()
                    if isinstance(m, MoERunner) and isinstance(m.router, BaseRouter)]
         if not routers:
@@ -78,8 +86,8 @@ class RouteRecorder:
     def take(self, request_ids: list) -> dict:
         """The routes of these requests (those recorded), forgotten here, as (bytes, shape): msgpack carries bytes
         as they are (routes_array reads them back)."""
-        return {i: (r.tobytes(), list(r.shape)) for i, r in ((i, self.routes.pop(i)) for i in request_ids
-                                                             if i in self.routes)}
+        taken = {i: self.routes.pop(i) for i in request_ids if i in self.routes}
+        return {i: (r.tobytes(), list(r.shape)) for i, r in taken.items()}
 
 
 def routes_array(data: bytes, shape: list):

@@ -278,15 +278,9 @@ def keep_cpu_expert_weights() -> None:
     (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts.process_weights_after_loading), in place of the checkpoint's
     layout. Kept also in that layout (the layer's checkpoint_w13 / checkpoint_w2), a patch can be written there and
     packed again, and the sync check reads what the engine holds: the memory of a second copy of the experts."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    CPUUnquantizedExperts = _cpu_experts_class()
+    if CPUUnquantizedExperts is None:
         return
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a vLLM before 0.32 lays its CPU experts out elsewhere: no MoE on CPU there
-        return
-
     prepack = CPUUnquantizedExperts.process_weights_after_loading
     if getattr(prepack, "keeps_weights", False):
         return
@@ -300,22 +294,31 @@ def keep_cpu_expert_weights() -> None:
     CPUUnquantizedExperts.process_weights_after_loading = keeping
 
 
-def _cpu_experts(model) -> list:
-    """[(checkpoint prefix of the experts, layer, vLLM-CPU's experts kernel)] of each mixture-of-experts layer whose
-    weights vLLM-CPU prepacks (none on a GPU)."""
+def _cpu_experts_class():
+    """vLLM-CPU's unquantized experts kernel, which prepacks the experts' weights; None on a GPU, or in a vLLM before
+    0.32 (which lays its CPU experts out elsewhere: no MoE on CPU there)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return []
+        return None
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:
+        return None
+    return CPUUnquantizedExperts
+
+
+def _cpu_experts(model) -> list:
+    """[(checkpoint prefix of the experts, layer, vLLM-CPU's experts kernel)] of each mixture-of-experts layer whose
+    weights vLLM-CPU prepacks (none on a GPU)."""
+    kernel_class = _cpu_experts_class()
+    if kernel_class is None:
         return []
     found = []
     for name, module in model.named_modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "checkpoint_w13"):
+        if isinstance(experts, kernel_class) and hasattr(module, "checkpoint_w13"):
             found.append((name.removesuffix(".routed_experts"), module, experts))
     return found
 
@@ -334,9 +337,11 @@ def _prepack_cpu_experts(model, from_checkpoint: bool = False) -> None:
 def checkpoint_parameters(model):
     """(name, tensor) of the weights the engine holds, with the experts vLLM-CPU packed in the checkpoint's layout
     (keep_cpu_expert_weights): what the sync check and the tests compare with the trainer's."""
-    kept = {f"{module_name}.w{k}_weight": getattr(layer, f"checkpoint_w{k}")
-            for module_name, layer in ((n, m) for n, m in model.named_modules() if hasattr(m, "checkpoint_w13"))
-            for k in (13, 2)}
+    kept = {}
+    for module_name, layer in model.named_modules():
+        if hasattr(layer, "checkpoint_w13"):
+            kept[f"{module_name}.w13_weight"] = layer.checkpoint_w13
+            kept[f"{module_name}.w2_weight"] = layer.checkpoint_w2
     for name, p in model.named_parameters():
         yield name, kept.get(name, p)
 

@@ -315,8 +315,8 @@ def plan(m: ModelShape, s: Setup, device_bytes, checked: bool) -> dict:
     """The rank's and the engine's estimates against the device's memory (in the hybrid engine also the shared
     device's phases); checked: whether a miss refuses the run (see device_memory)."""
     rank, engine = rank_bytes(m, s), engine_bytes(m, s, device_bytes)
-    p = {"params": m.params, "active_params": m.active_params, "device_memory": device_bytes, "checked": checked, "trainer_rank": rank,
-         "vllm_engine": engine, "setup": dataclasses.asdict(s)}
+    p = {"params": m.params, "active_params": m.active_params, "device_memory": device_bytes, "checked": checked,
+         "trainer_rank": rank, "vllm_engine": engine, "setup": dataclasses.asdict(s)}
     if s.hybrid and s.device == "cuda":
         p["hybrid"] = hybrid_bytes(m, rank, engine, s)
     return p

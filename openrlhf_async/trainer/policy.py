@@ -19,7 +19,7 @@ from openrlhf_async.trainer.losses import (
     token_logprobs,
 )
 from openrlhf_async.trainer.rank import EMPTY_SAMPLE, DeepSpeedRank, frozen_model_config
-from openrlhf_async.trainer.routing_replay import RoutingReplay, layout_routes, routers
+from openrlhf_async.trainer.routing_replay import RoutingReplay, layout_routes
 from openrlhf_async.trainer.weight_export import WeightExport, probe_ids
 
 
@@ -60,8 +60,7 @@ class PolicyActor(DeepSpeedRank):
                           if reference and not self.lora else None)
         self.weights = WeightExport(self.engine.module, self.lora, self.zero_stage, rank, self.timeline)
         # A mixture of experts: the rollout's routes replayed (or, with --no-actor.routing_replay, only compared)
-        self.replay = RoutingReplay(self.engine.module, settings["model"].get("routing_replay", True)) if routers(
-            self.engine.module) else None
+        self.replay = RoutingReplay.of(self.engine.module, settings["model"].get("routing_replay", True))
 
     def _build(self, model_path, load: dict, model: dict, ds: dict):
         """The trained model (see model_settings), before DeepSpeed wraps it: the causal LM, with its adapter."""
@@ -158,7 +157,7 @@ class PolicyActor(DeepSpeedRank):
                 real = sum(sample_length(s) for s in micro if s is not EMPTY_SAMPLE)
                 figures["routes_tokens"] += len(self.replay.hooks) * real
         lr, grad_norm = self._optimizer_step()
-        figures["routes_known"], figures["routes_differ"] = self._routes_done()
+        figures["routes_known"], figures["routes_differ"] = self.routing_counts()
         return {**figures, "tokens": tokens, "grad_norm": grad_norm, "lr": lr}
 
     @torch.no_grad()
@@ -176,8 +175,6 @@ class PolicyActor(DeepSpeedRank):
                 logp, _ = self._logprobs(model, micro or [EMPTY_SAMPLE], temperature, layout, top_p=top_p)
                 out.append([logp[i, len(s["prompt_ids"]) - 1 : sample_length(s) - 1].tolist()
                             for i, s in enumerate(micro)])
-            if self.replay is not None:
-                self.replay.set(None)
             return out
 
     @torch.no_grad()
@@ -202,18 +199,14 @@ class PolicyActor(DeepSpeedRank):
             out.append({"logprobs": logp[i][pos].tolist(), "greedy_ids": greedy[i][pos].tolist()})
         return out
 
-    def _routes_done(self) -> tuple:
-        """The last micro batch's routes forgotten (its backward is done: no later forward may replay them) and the
-        counts since the last call: (tokens with the rollout's routes, of them routed apart)."""
+    def routing_counts(self) -> tuple:
+        """A mixture of experts': (tokens with the rollout's routes, of them routed apart by the trainer) over the
+        forward passes since the last call (routing_replay.RoutingReplay); the last pass's routes forgotten (its
+        backward is done: no later forward may replay them)."""
         if self.replay is None:
             return 0, 0
         self.replay.set(None)
         return self.replay.take_counts()
-
-    def routing_counts(self) -> tuple:
-        """A mixture of experts': (tokens with the rollout's routes, of them routed apart by the trainer) over the
-        forward passes since the last call or step (routing_replay.RoutingReplay)."""
-        return self._routes_done()
 
     def read_parameter(self, name: str) -> torch.Tensor:
         """A parameter of the trained module by its own name (with LoRA: peft's, e.g. ...lora_B.default.weight)."""

@@ -13,6 +13,8 @@ reports (routing/differ_share)."""
 
 import torch
 
+from openrlhf_async.trainer.batching import sample_length
+
 
 def routers(model) -> list:
     """[(layer index, router module)] of the model's MoE layers (decoder layer `layers.{i}`'s `mlp.gate` with a
@@ -35,6 +37,12 @@ class RoutingReplay:
         self.routes = None  # [tokens of the flattened rows, layers, top_k] int16, -1 unknown
         self.known = self.differ = 0
         self.hooks = [router.register_forward_hook(self._hook(layer)) for layer, router in routers(model)]
+
+    @classmethod
+    def of(cls, model, replay: bool):
+        """The model's routing replay; None for a model without MoE routers."""
+        made = cls(model, replay)
+        return made if made.hooks else None
 
     def set(self, routes) -> None:
         self.routes = routes
@@ -76,7 +84,7 @@ def layout_routes(samples: list, width: int, packed: bool, layers: int, top_k: i
     routes."""
     if not any(s.get("routes") is not None for s in samples):
         return None
-    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    lengths = [sample_length(s) for s in samples]
     rows = 1 if packed else len(samples)
     out = torch.full((rows * (sum(lengths) if packed else width), layers, top_k), -1, dtype=torch.int16)
     start = 0

@@ -279,7 +279,8 @@ class WeightExport:
                 share = -(-p.numel() // world)
                 offset, part = share * rank, p.data.reshape(-1)[share * rank : share * (rank + 1)]
             first, end = source.span()  # the weight's elements in the parameter: this rank's of them
-            lo, hi = max(first, offset), max(min(end, offset + len(part)), max(first, offset))
+            lo = max(first, offset)
+            hi = max(lo, min(end, offset + len(part)))
             owned[source.name] = (lo - first, part[lo - offset : hi - offset])
         return owned
 

@@ -13,7 +13,6 @@ import time
 
 from openrlhf_async.rollout.engine import submit
 from openrlhf_async.rollout.sync_group import add_fingerprints, fingerprint_differences, plan_buckets
-from openrlhf_async.utils.model_info import model_experts
 from openrlhf_async.utils.ray_utils import get_all
 
 
@@ -66,12 +65,7 @@ class WeightSync:
         self.probe = ray.get(policy.actors[0].probe_ids.remote()) if self.check else None
         self.probe_diff = self.probe_adapter_effect = None  # the last check's figures
         # Sparse syncs: past this share of changed elements a sync sends every weight (Config.sparse_sync).
-        # vLLM-CPU keeps a mixture of experts' weights in the checkpoint's layout for patches with one tensor-parallel
-        # worker only (rollout/weight_transfer.py _direct_targets): with more, every weight is sent.
-        moe_shards = (cfg.device == "cpu" and cfg.vllm.tensor_parallel_size > 1
-                      and model_experts(cfg.actor.model_name_or_path))
-        self.sparse_max = (cfg.train.weight_sync_sparse_max if cfg.sparse_sync and sparse_supported() and not moe_shards
-                           else 0.0)
+        self.sparse_max = cfg.train.weight_sync_sparse_max if cfg.sparse_sync and sparse_supported() else 0.0
         self.holding = set()  # the engines that hold the trainer's baseline (the weights of the last sync)
         self.changed_fraction = None  # of the elements, at the last sync where it was counted
         self.figures = {}  # the last sync's: sync/sparse, changed_fraction, bytes, check_s

@@ -83,20 +83,22 @@ def model_config(model) -> dict:
 MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
-def model_config_type(model) -> str:
+def _text_config(model) -> dict:
+    """The model's config (a multimodal one's text_config), {} where it cannot be read here (an offline hub id: read
+    again, with a clear error, where the model is needed)."""
     try:
         config = model_config(model)
     except Exception:
-        return ""
-    return (config.get("text_config") or config).get("model_type", "")
+        return {}
+    return config.get("text_config") or config
+
+
+def model_config_type(model) -> str:
+    return _text_config(model).get("model_type", "")
 
 
 def model_experts(model) -> int:
     """The experts per layer of a mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral: num_experts or
     num_local_experts in its config), 0 for a dense model or one whose config cannot be read here."""
-    try:
-        config = model_config(model)
-    except Exception:  # an offline hub id: read again, with a clear error, where the model is needed
-        return 0
-    config = config.get("text_config") or config
+    config = _text_config(model)
     return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
