@@ -372,7 +372,7 @@ def run_all(args, passed: list) -> int:
             with open(os.path.join(args.out, f"{name}.log")) as log:
                 text = log.read()
             reason = gpu_kit.dropped_import(text, manifest) if manifest else ""
-            errors = [line for line in text.splitlines() if "Error" in line]
+            errors = [line.strip() for line in text.splitlines() if "Error" in line or "error," in line]
             result["error"] = reason or ("timed out" if code is None else (errors or [f"exit {code}"])[-1][:300])
             print(f"gpu-e2e {name}: {result['error']}", flush=True)
         result.update(run=name, asked=RUNS[name][1], seconds=round(time.monotonic() - began, 1))
