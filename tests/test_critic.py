@@ -19,38 +19,87 @@ GAE = ("--algo.advantage.estimator", "gae", "--algo.advantage.gamma", "0.9", "--
 # ---- formulas (openrlhf/trainer/ppo_utils/experience_maker.py: get_advantages_and_returns; openrlhf/models/utils.py:
 # compute_reward; openrlhf/models/loss.py: ValueLoss; openrlhf/trainer/ppo_utils/kl_controller.py) ---------------------
 
-def test_gae_and_returns_equal_the_numbers_worked_by_hand_masked_observation_tokens_included():
+def test_gae_and_returns_equal_the_numbers_worked_by_hand_masked_observation_tokens_skipped():
     from openrlhf_async.trainer.losses import gae
 
     values = torch.tensor([[0.5, 0.2, -0.1, 0.0], [0.3, 0.7, 0.1, 0.4]])
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 2.0, 0.0]])
-    # Row 2: token 1 is an observation (the environment wrote it), token 3 padding: value and reward count as 0.
+    # Row 2: token 1 is an observation (the environment wrote it), token 3 padding.
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0]])
     advantages, returns = gae(values, rewards, mask, gamma=0.9, lambd=0.8)
     # Row 1, back to front: delta_2 = 1 - (-0.1) = 1.1; delta_1 = 0.9 x -0.1 - 0.2 = -0.29, A_1 = -0.29 + 0.72 x 1.1;
-    # delta_0 = 0.9 x 0.2 - 0.5 = -0.32, A_0 = -0.32 + 0.72 x 0.502. Row 2: A_2 = 2 - 0.1 = 1.9; A_1 = 0.9 x 0.1 - 0
-    # + 0.72 x 1.9 = 1.458; A_0 = 0 - 0.3 + 0.72 x 1.458 = 0.74976.
-    expected = torch.tensor([[0.04144, 0.502, 1.1, 0.0], [0.74976, 1.458, 1.9, 0.0]], dtype=torch.float64)
+    # delta_0 = 0.9 x 0.2 - 0.5 = -0.32, A_0 = -0.32 + 0.72 x 0.502. Row 2: A_2 = 2 - 0.1 = 1.9; token 0's next model
+    # token is 2, two positions on: delta_0 = 0.81 x 0.1 - 0.3 = -0.219, A_0 = -0.219 + 0.81 x 0.8 x 1.9 = 1.0122.
+    expected = torch.tensor([[0.04144, 0.502, 1.1, 0.0], [1.0122, 0.0, 1.9, 0.0]], dtype=torch.float64)
     assert torch.allclose(advantages, expected, atol=1e-9)
-    assert torch.allclose(returns, torch.tensor([[0.54144, 0.702, 1.0, 0.0], [1.04976, 1.458, 2.0, 0.0]],
+    assert torch.allclose(returns, torch.tensor([[0.54144, 0.702, 1.0, 0.0], [1.3122, 0.0, 2.0, 0.0]],
                                                 dtype=torch.float64), atol=1e-9)
 
 
-def test_gae_equals_openrlhfs_own_function_on_a_multi_turn_row():
+def test_at_lambda_1_gae_equals_openrlhfs_own_function_on_the_models_tokens_of_a_multi_turn_row():
     """The numbers OpenRLHF 0.11.2's get_advantages_and_returns gives for a row whose second token is an observation
-    (its compute_reward with reward 1 and coefficient 0.1), at three settings."""
+    (its compute_reward with reward 1 and coefficient 0.1), at lambda 1, where skipping the observation changes
+    nothing (below 1 OpenRLHF's take it as a step of value 0: test_a_tool_output_between_two_turns_...)."""
     from openrlhf_async.trainer.losses import gae, token_rewards
 
     mask = torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0]])
     values = torch.tensor([[0.9, 0.5, 0.7, 0.2, 0.4]])
     rewards = token_rewards(torch.tensor([1.0]), torch.tensor([[0.3, 0.1, 0.2, -0.1, 0.05]]), mask, 0.1)
-    for (gamma, lambd), (advantages, returns) in {
-            (1.0, 1.0): ([0.995, 0.495, 1.005, 0.805, 0.595], [0.995, 0.995, 1.005, 1.005, 0.995]),
-            (1.0, 0.95): ([0.8607, 0.3797, 0.9365, 0.7753, 0.5950], [0.8607, 0.8797, 0.9365, 0.9753, 0.9950]),
-            (0.9, 0.8): ([0.3995, -0.0702, 0.6108, 0.5984, 0.5950], [0.3995, 0.4298, 0.6108, 0.7984, 0.9950])}.items():
-        a, r = gae(values, rewards, mask, gamma, lambd)
-        assert torch.allclose(a[0].float(), torch.tensor(advantages), atol=1e-4), (gamma, lambd, a)
-        assert torch.allclose(r[0].float(), torch.tensor(returns), atol=1e-4), (gamma, lambd, r)
+    a, r = gae(values, rewards, mask, 1.0, 1.0)
+    model = mask[0].bool()
+    assert torch.allclose(a[0][model].float(), torch.tensor([0.495, 0.805, 0.595]), atol=1e-4), a
+    assert torch.allclose(r[0][model].float(), torch.tensor([0.995, 1.005, 0.995]), atol=1e-4), r
+
+
+def _plain_gae(values: list, rewards: list, gamma: float, lambd: float) -> list:
+    """Textbook GAE over consecutive steps, the last followed by nothing."""
+    out, running = [0.0] * len(values), 0.0
+    for t in reversed(range(len(values))):
+        following = values[t + 1] if t + 1 < len(values) else 0.0
+        running = rewards[t] + gamma * following - values[t] + gamma * lambd * running
+        out[t] = running
+    return out
+
+
+def _tool_row(seed: int, observation: int = 200):
+    """Two model turns of 3 and 4 tokens around a tool's output of `observation` tokens, with random values (the
+    critic's at observation tokens too, which must not count) and random per-token rewards."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([1.0] * 3 + [0.0] * observation + [1.0] * 4)
+    values = torch.rand(len(mask), generator=g, dtype=torch.float64)
+    rewards = torch.rand(len(mask), generator=g, dtype=torch.float64) * mask
+    return values.unsqueeze(0), rewards.unsqueeze(0), mask.unsqueeze(0)
+
+
+def test_a_tool_output_between_two_turns_is_skipped_by_gae_not_taken_as_steps_of_value_0():
+    """Below lambda 1 a 200-token tool output taken as steps of value 0 gives the token before the call delta = -V_t
+    and a future scaled by 0.95^200: its advantage about -V_t. Over the model's own tokens only (veRL's rule) it is
+    GAE on the row with the observation cut out (gamma 1: no distance to count). float64 over 207 steps: 1e-12."""
+    from openrlhf_async.trainer.losses import gae
+
+    values, rewards, mask = _tool_row(0)
+    a, r = gae(values, rewards, mask, gamma=1.0, lambd=0.95)
+    model = mask[0].bool()
+    want = _plain_gae(values[0][model].tolist(), rewards[0][model].tolist(), 1.0, 0.95)
+    assert torch.allclose(a[0][model], torch.tensor(want, dtype=torch.float64), atol=1e-12), (a[0][model], want)
+    assert torch.allclose(r[0][model], a[0][model] + values[0][model], atol=1e-12)
+    calling = 2  # the last token before the call: its advantage stays near the future's, not near -V
+    assert a[0, calling] > -values[0, calling] + 0.1, float(a[0, calling])
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.99])
+def test_at_lambda_1_skipping_a_tool_output_leaves_gae_as_it_was(gamma):
+    """At lambda 1 the advantage is the reward to come, discounted by position, minus V_t (what taking observation
+    tokens as steps of value and reward 0 gives too: their values cancel in the telescoping sum)."""
+    from openrlhf_async.trainer.losses import gae
+
+    values, rewards, mask = _tool_row(1)
+    a, r = gae(values, rewards, mask, gamma=gamma, lambd=1.0)
+    n, model = mask.shape[1], mask[0].bool()
+    to_come = torch.tensor([sum(gamma ** (k - t) * float(rewards[0, k]) for k in range(t, n)) for t in range(n)],
+                           dtype=torch.float64)
+    assert torch.allclose(a[0][model], (to_come - values[0])[model], atol=1e-12)
+    assert torch.allclose(r[0][model], to_come[model], atol=1e-12)
 
 
 def test_token_rewards_put_the_reward_at_the_last_token_the_model_wrote_and_the_kl_penalty_on_each():

@@ -645,3 +645,27 @@ def test_the_memory_plan_counts_what_a_sleeping_engine_and_both_processes_keep_o
         assert p["hybrid"]["train"] == p["trainer_rank"]["total"] + PROCESS_RESIDUAL + asleep
     assert graphs["vllm_engine"]["kv_cache"] == eager["vllm_engine"]["kv_cache"] - CUDA_GRAPH_POOL
     assert 1 * 2**30 <= graphs["hybrid"]["train"] - graphs["trainer_rank"]["total"] <= 4 * 2**30  # the issue's range
+
+
+def test_an_engine_whose_sleep_failed_is_dropped_before_the_ranks_reload_and_never_woken():
+    """vLLM's sleep asserts that its device's free memory did not fall across the call (every process's, so a rank
+    reloading meanwhile would fail it): the ranks reload only after every sleep returned, and an engine whose sleep
+    raised (its executor then thinks it awake, its weights in host memory) is dropped, not woken for the transfer."""
+    sync, log = _recording_sync()
+    recorded = sync._call
+
+    def sleep_fails_on_engine_1(members, method, *args):
+        outcomes = recorded(members, method, *args)
+        if method == "sleep":
+            return [("error", AssertionError("Memory usage increased after sleeping.")) if i == 1 else o
+                    for i, o in zip(members, outcomes)]
+        return outcomes
+
+    sync._call = sleep_fails_on_engine_1
+    sync._drop = lambda members, ids: log.append(("fleet", "drop", sorted(ids)))
+    sync.to_train()
+    assert log[:3] == [("engines", "sleep", 1), ("fleet", "drop", [1]), ("ranks", "reload_states")], log
+    assert set(sync.members) == sync.sleeping == {0}
+    sync._call = recorded
+    sync.sync()
+    assert sync.version == 1 and not sync.sleeping and set(sync.members) == {0}

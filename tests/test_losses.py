@@ -226,3 +226,69 @@ def test_under_top_p_only_the_kept_logits_get_gradients_and_the_sampled_token_is
     value.sum().backward()
     grad = logits.grad[0, 0]
     assert grad[2] == 0 and grad[3] == 0 and grad[0] != 0 and grad[4] != 0, grad
+
+
+@pytest.mark.parametrize("call", ["train_batch", "with_reference"])
+def test_under_top_p_a_policy_equal_to_its_reference_has_a_kl_of_0(call):
+    """The KL's two sides are of the same rule: the policy's log-probs of the nucleus vLLM sampled from, the
+    reference's of its own (PolicyGroup.with_reference; the train step's and GAE's KL read those). Against the
+    reference's whole distribution the KL of an unchanged policy would be -log(nucleus mass) > 0 per token. The two
+    sides are one computation here, so the KL is exactly 0. A fake group's passes run a small seeded model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from openrlhf_async.trainer.batching import Layout, target_logprobs
+    from openrlhf_async.trainer.ranks import PolicyGroup
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    samples = [{"prompt_ids": [1, 5, 9], "response_ids": [int(t) for t in torch.randint(0, 48, (6 + i,))],
+                "action_mask": [1] * (6 + i), "logprobs": [0.0] * (6 + i)} for i in range(3)]
+
+    class Group(PolicyGroup):
+        def __init__(self):
+            self.seen = []
+
+        def logprobs(self, samples, temperature, reference=False, top_p=1.0):  # policy and reference: one model
+            with torch.no_grad():
+                logp, _ = target_logprobs(model, Layout.of(samples, packed=False), temperature, top_p=top_p)
+            return [logp[i, len(s["prompt_ids"]) - 1: len(s["prompt_ids"]) + len(s["response_ids"]) - 1].tolist()
+                    for i, s in enumerate(samples)]
+
+        def _updates(self, samples, *args):
+            self.seen = samples
+            return [{"tokens": 1, "grad_norm": 0.0}]
+
+    group, top_p, temperature = Group(), 0.7, 0.9
+    loss_cfg = {"temperature": temperature, "top_p": top_p, "kl": {"coef": 0.01}, "proximal": "recompute"}
+    if call == "train_batch":
+        group.train_batch(samples, 4, loss_cfg, len(samples), 1)
+        with_refs = group.seen
+    else:  # GAE's (pipeline._with_critic)
+        with_refs = group.with_reference(samples, temperature, 0.01, top_p)
+    policy = group.logprobs(samples, temperature, top_p=top_p)
+    whole = group.logprobs(samples, temperature)
+    for s, logp, full in zip(with_refs, policy, whole):
+        kl = approx_kl(torch.tensor(logp), torch.tensor(s["ref_logprobs"]), "k3")
+        assert kl.abs().max() == 0, kl
+        assert (torch.tensor(logp) > torch.tensor(full) + 1e-3).any(), "the nucleus dropped nothing: no test"
+
+
+@pytest.mark.parametrize("flags, weights", [
+    ((), [0.1, 1.0, 5.0]),  # TIS: min(w, 5); the mask band's 0.5 is no floor
+    (("--algo.advantage.is_correction_threshold", "2"), [0.1, 1.0, 2.0]),
+    (("--algo.advantage.is_correction_threshold", "0.5", "5"), [0.5, 1.0, 5.0]),  # a floor the user asked for
+])
+def test_the_clip_correction_is_one_sided_unless_a_floor_is_given(flags, weights):
+    from openrlhf_async.config import parse_config, validate
+    from openrlhf_async.trainer.ranks import loss_settings
+
+    cfg = validate(parse_config(["--algo.advantage.is_correction_level", "token",
+                                 "--algo.advantage.is_correction_mode", "clip", *flags]))
+    c = loss_settings(cfg)["correction"]
+    old = torch.zeros(1, 3)
+    rollout = -torch.log(torch.tensor([[0.1, 1.0, 8.0]]))  # pi_train / pi_rollout: 0.1, 1 and 8
+    got, _ = correction_weights(old, rollout, torch.ones(1, 3), c["level"], c["mode"], c["gating"], c["threshold"])
+    assert torch.allclose(got, torch.tensor([weights]), rtol=1e-6), got  # float32's exp and log round to 1e-7
+    mask = validate(parse_config(["--algo.advantage.is_correction_level", "token"]))
+    assert mask.algo.is_correction_threshold == (0.5, 5.0)  # ICEPOP's band as before

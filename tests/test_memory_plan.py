@@ -136,3 +136,35 @@ def test_a_row_split_across_two_ranks_halves_a_ranks_activations_and_builds_no_m
     shape = split_heads(ModelShape(576, 30, 9, 3, 64, 1536, 49152, True), 2)
     assert (shape.heads, shape.kv_heads) == (10, 10)
     assert (split_heads(QWEN25_7B, 2).heads, split_heads(QWEN25_7B, 2).kv_heads) == (28, 4)
+
+
+def test_the_hybrid_transfer_and_the_generation_after_it_count_the_largest_module_the_engines_reload_materialised(
+        monkeypatch):
+    """vLLM's layerwise reload materialises one module at a time outside its sleep allocator's pools; the blocks stay
+    in the engine's caching allocator until its next sleep empties it (memory_plan.reload_cache_bytes): the largest
+    module's shard, in bf16 Qwen2.5-7B's embedding (its 152,064 x 3,584), in Qwen3-30B-A3B the fused experts of a
+    layer (128 experts' gate, up and down). Counted in the transfer and the generation after it; in training as well
+    where the engine never sleeps."""
+    from openrlhf_async.trainer import memory_plan
+
+    assert memory_plan.reload_cache_bytes(QWEN25_7B, gpu_setup()) == 2 * 152064 * 3584
+    assert memory_plan.reload_cache_bytes(QWEN25_7B, gpu_setup(tensor_parallel=2)) == 152064 * 3584
+    moe = model_shape(os.path.join(CONFIGS, "Qwen3-30B-A3B"))
+    assert moe.largest_module_params == 3 * 128 * 2048 * 768 > moe.vocab * moe.hidden
+    # A vocabulary padded to 64 rows, as vLLM's VocabParallelEmbedding pads it.
+    assert ModelShape(576, 30, 9, 3, 64, 1536, 49153, True).largest_module_params == 49216 * 576
+
+    def phases(sleep: bool, reload: bool) -> dict:
+        if not reload:
+            monkeypatch.setattr(memory_plan, "reload_cache_bytes", lambda m, s: 0)
+        s = gpu_setup(hybrid=True, engine_sleep=sleep, trainer_sleep=True)
+        p = plan(QWEN25_7B, s, 141 * GB, True)["hybrid"]
+        monkeypatch.undo()
+        return p
+
+    layer = 2 * 152064 * 3584
+    for sleep in (True, False):
+        counted, not_counted = phases(sleep, True), phases(sleep, False)
+        assert counted["transfer"] - not_counted["transfer"] == layer
+        assert counted["generate"] - not_counted["generate"] == layer
+        assert counted["train"] - not_counted["train"] == (0 if sleep else layer)  # the sleep's empty_cache

@@ -65,6 +65,17 @@ def test_lora_on_a_mixture_of_experts_is_refused_in_one_line():
         refused.value) and "\n" not in str(refused.value)
 
 
+def test_routing_replay_under_sequence_parallelism_is_refused_in_one_line_before_anything_starts():
+    """A split row's routes are not replayed (trainer/policy.py): refused, not silently off with eager engines."""
+    flags = ("--actor.model_name_or_path", "tiny-qwen3-moe", "--ds.ring_attn_size", "2")
+    with pytest.raises(ConfigError) as refused:
+        preset_config(*flags)
+    assert str(refused.value).startswith("--ds.ring_attn_size 2 with --actor.routing_replay: ") and "\n" not in str(
+        refused.value), str(refused.value)
+    assert preset_config(*flags, "--no-actor.routing_replay").ds.ring_attn_size == 2
+    assert preset_config("--ds.ring_attn_size", "2").actor.routing_replay  # a dense model: nothing to replay
+
+
 def test_a_mixture_of_experts_whose_experts_are_not_mapped_is_refused_in_one_line(tmp_path):
     """Mixtral's experts load in vLLM under other names (block_sparse_moe...w1/w2/w3): refused, not sent wrong."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8,
@@ -306,3 +317,24 @@ def test_a_samples_routes_come_from_the_requests_that_computed_each_position():
     assert routes[:, 0, 0].tolist() == [1, 1, 1, 1, 3, 3, -1]
     assert assemble(prompt + [10, 11], [first, sibling])[:, 0, 0].tolist() == [1, 1, 1, 2, -1]
     assert assemble([1, 2], [other]) is None
+
+
+def test_a_samples_own_routes_win_over_a_later_siblings_of_the_same_prompt():
+    """Both computed the prompt (no prefix cache between them: across a sync, or another batch's kernels), the
+    sibling's routes differ and it ended later: the sample keeps the routes that made its own cache; a sibling's only
+    fill the positions its own requests did not compute."""
+    import numpy as np
+
+    from openrlhf_async.rollout.routes import assemble
+
+    def recorded(n, value, computed_from=0):
+        r = np.full((n, 1, 2), -1, dtype=np.int16)
+        r[computed_from:] = value
+        return r
+
+    prompt = [5, 6, 7]
+    own = (prompt + [8, 9], recorded(4, 1))
+    sibling = (prompt + [10, 11], recorded(4, 2))
+    assert assemble(prompt + [8, 9], [own, sibling])[:, 0, 0].tolist() == [1, 1, 1, 1, -1]
+    from_cache = (prompt + [8, 9], recorded(4, 1, computed_from=3))  # its prompt read from the sibling's cache
+    assert assemble(prompt + [8, 9], [from_cache, sibling])[:, 0, 0].tolist() == [2, 2, 2, 1, -1]

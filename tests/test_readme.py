@@ -23,7 +23,7 @@ OTHER_COMMANDS = ("openrlhf_async/cli/prepare_data.py", "openrlhf_async/cli/rewa
 # Flags of other tools in the pages' command lines: ray start / ray job submit, pip, tensorboard, hf download, pytest,
 # py-spy.
 OTHER_TOOLS = {"--head", "--address", "--runtime-env-json", "--dashboard-host", "--no-deps", "--logdir",
-               "--local-dir", "--repo-type", "--durations", "--format"}
+               "--local-dir", "--repo-type", "--durations", "--format", "--target", "--no-compile"}  # pip's, for the GPU kit
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w.-]*\w")
 # Paths from the repository root, and paths inside the package as docs/ARCHITECTURE.md writes them (`trainer/run.py`).
 ROOT_PATH = re.compile(r"(?<![\w./{}<>$-])((?:agents|openrlhf_async|benchmarks|examples|docs|tests)/[\w./*-]*[\w*])")

@@ -14,6 +14,7 @@ from openrlhf_async.rollout.sync_group import (
     add_fingerprints,
     fingerprint,
     fingerprint_differences,
+    pieces_fingerprint,
     receive_patches,
     send_patches,
     workers_fingerprint,
@@ -34,31 +35,28 @@ def test_the_fingerprint_is_the_same_however_a_weight_is_packed_sharded_or_parti
     torch.manual_seed(0)
     q, k, v = ((torch.randn(8, 12) * 0.05).to(torch.bfloat16) for _ in range(3))
     norm = torch.randn(12).to(torch.bfloat16)
-    checkpoint = fingerprint([("model.layers.3.self_attn.q_proj.weight", q),
-                              ("model.layers.3.self_attn.k_proj.weight", k),
-                              ("model.layers.3.self_attn.v_proj.weight", v), ("model.norm.weight", norm)])
-    # vLLM: q, k and v packed into one parameter, split over two tensor-parallel workers by rows; a vocabulary
-    # padded with zeros
-    packed = torch.cat([q, k, v])
-    padded = torch.cat([norm, torch.zeros(4, dtype=torch.bfloat16)])
-    workers = [fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[:12]), ("model.norm.weight", padded)],
-                           group=str),
-               fingerprint([("model.layers.3.self_attn.qkv_proj.weight", packed[12:]), ("model.norm.weight", padded)],
-                           group=str)]  # the norm whole on each worker: counted once
+    names = [f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv"]
+    checkpoint = fingerprint([*zip(names, (q, k, v)), ("model.norm.weight", norm)])
+    # vLLM: q, k and v packed into one parameter, split over two tensor-parallel workers by rows (each worker's
+    # pieces in checkpoint coordinates, weight_transfer.checkpoint_pieces); the norm whole on each: counted once
+    workers = [pieces_fingerprint([(names[0], q[:4], 0, 0), (names[1], k[:4], 0, 0), (names[2], v[:4], 0, 0),
+                                   ("model.norm.weight", norm.view(-1, 1), 0, 0)]),
+               pieces_fingerprint([(names[0], q[4:], 4, 0), (names[1], k[4:], 4, 0), (names[2], v[4:], 4, 0),
+                                   ("model.norm.weight", norm.view(-1, 1), 0, 0)])]
     assert workers_fingerprint(workers) == checkpoint
-    # ZeRO-3: each rank's partition of the flat weight, starting mid-word
-    parts = [fingerprint([(name, t.reshape(-1)[a:b], a)]) for name, t in (
-        ("model.layers.3.self_attn.q_proj.weight", q), ("model.layers.3.self_attn.k_proj.weight", k),
-        ("model.layers.3.self_attn.v_proj.weight", v), ("model.norm.weight", norm)) for a, b in ((0, 37), (37, 96))]
+    # ZeRO-3: each rank's partition of the flat weight, starting mid-row
+    parts = [fingerprint([(name, t.reshape(-1)[a:b], a, t.shape)]) for name, t in (
+        *zip(names, (q, k, v)), ("model.norm.weight", norm)) for a, b in ((0, 37), (37, 96))]
     assert add_fingerprints(parts) == checkpoint
-    # one element one unit in the last place away, or two neighbours swapped (a patch one element off): seen. A sum
-    # cannot see two elements of one place in their words swapped (four apart in bf16); no fault of a sync makes that.
-    nudged = packed.clone()
-    nudged[20, 5] = torch.nextafter(nudged[20, 5], torch.tensor(1.0, dtype=torch.bfloat16))
-    swapped = packed.clone()
+    # one element one unit in the last place away, two neighbours swapped (a patch one element off), or two four
+    # apart swapped (one place in their 64-bit words): seen
+    nudged = q.clone()
+    nudged[5, 5] = torch.nextafter(nudged[5, 5], torch.tensor(1.0, dtype=torch.bfloat16))
+    swapped, apart = q.clone(), q.clone()
     swapped[0, [0, 1]] = swapped[0, [1, 0]]
-    for held in (nudged, swapped):
-        engine = fingerprint([("model.layers.3.self_attn.qkv_proj.weight", held), ("model.norm.weight", norm)])
+    apart[0, [0, 4]] = apart[0, [4, 0]]
+    for held in (nudged, swapped, apart):
+        engine = fingerprint([(names[0], held), *zip(names[1:], (k, v)), ("model.norm.weight", norm)])
         assert fingerprint_differences(engine, checkpoint) == ["layers.3"]
 
 

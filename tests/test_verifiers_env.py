@@ -156,3 +156,27 @@ def test_a_single_turn_verifiers_environment_trains(tmp_path):
     assert [m["engine_weight_version"] for m in trained] == [1, 2]
     assert all(m["rollout/agent_errors"] == 0 and m["rollout/extra/reply_chars"] > 0 for m in trained)
     assert all(len(s["turns"]) == 1 for s in samples)
+
+
+def test_a_taskset_missing_nltk_data_offline_fails_in_one_line_naming_it_and_how_to_install_it(capfd):
+    """verifiers' textarena taskset (wordle) downloads NLTK corpora as it loads; offline NLTK prints its banners and
+    raises LookupError. What is shown: one line naming the environment, the data and the command that installs it."""
+    import os
+    from types import SimpleNamespace
+
+    from openrlhf_async.agent import AgentFileError
+    from openrlhf_async.agent.verifiers_env import tasks
+
+    def load():
+        os.write(2, b"[nltk_data] Error loading words: <urlopen error ...>\n")  # as NLTK does, past sys.stderr
+        raise LookupError("\n" + "*" * 70 + "\n  Resource \x1b[93mwords\x1b[0m not found.\n  Please use the NLTK "
+                          "Downloader to obtain the resource:\n\n  >>> import nltk\n  >>> nltk.download('words')\n")
+        yield
+
+    env = SimpleNamespace(config=SimpleNamespace(taskset=SimpleNamespace(id="textarena")), taskset=load())
+    with pytest.raises(AgentFileError) as raised:
+        tasks(env, 3)
+    message = str(raised.value)
+    assert "\n" not in message and "--agent.verifiers_env textarena" in message
+    assert "'words'" in message and "python -m nltk.downloader words" in message
+    assert "nltk_data" not in capfd.readouterr().err

@@ -72,3 +72,35 @@ def test_the_hybrid_engines_ipc_transport_is_this_projects_engine_on_every_relea
                                      "ipc_handles": handles})
     assert isinstance(info, BroadcastUpdateInfo) and info.ipc_handles == handles
     assert engine.parse_update_info({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}).ipc_handles is None
+
+
+def test_the_model_runner_is_v1_for_routing_replay_else_the_drivers_choice_else_vllms():
+    """rollout/routes.py reads the V1 runner's batch, which V2 has none of: V1 whatever the driver asked for. Otherwise
+    the driver's VLLM_USE_V2_MODEL_RUNNER reaches the engine's actor (the GPU check runs each runner so), and without
+    one vLLM chooses (V2 for a dense model where Triton imports, V1 on CPU)."""
+    env = vllm_compat.model_runner_env
+    assert env(True, {}) == env(True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert env(False, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert env(False, {"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert env(False, {}) == env(False, {"VLLM_USE_V2_MODEL_RUNNER": ""}) == {}
+
+
+def test_the_docstring_names_what_differs_between_vllms_model_runners():
+    doc = vllm_compat.__doc__
+    assert "The V1 and V2 model runners (vLLM 0.26 read" in doc
+    for aspect in ("Seeded sampling", "Processed log-probs under top-p", "Sleep and wake", "The weight update",
+                   "The model runner's attributes"):
+        assert f"- {aspect}." in doc, aspect
+
+
+def test_an_engines_environment_carries_the_model_runner_chosen_in_vllm_compat(monkeypatch):
+    from conftest import preset_config
+    from openrlhf_async.rollout import engine
+
+    cfg = preset_config()
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in engine.engine_env(cfg)  # CPU behaviour unchanged: vLLM's own choice
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert engine.engine_env(cfg)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.setattr(engine, "records_routes", lambda path, vllm: True)
+    assert engine.engine_env(cfg)["VLLM_USE_V2_MODEL_RUNNER"] == "0"

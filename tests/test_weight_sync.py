@@ -125,3 +125,64 @@ def test_a_call_ray_refused_counts_once_as_a_dead_engine_keeping_the_others_outc
 
     refused = RuntimeError("actor is dead")
     assert _outcomes([refused, refused], timeout_s=1) == [("died", refused), ("died", refused)]
+
+
+def test_a_joining_engine_catches_up_only_to_weights_that_are_a_syncs_and_carries_that_version(monkeypatch):
+    """With --train.trigger_parameter_sync_step 2: after sync 1 an engine joins at version 1 with exactly those
+    weights; once a step has trained, the policy's weights are no version's (tagged 1, its tokens would count as
+    old as sync 1's though newer), so a joining engine waits for sync 2. Fakes stand in for the fleet and the
+    broadcast: the pure rule of WeightSync.catch_up."""
+    from openrlhf_async.trainer.weight_sync import WeightSync
+
+    class Fleet:
+        def __init__(self):
+            self.waiting, self.taking = {}, {}
+
+        def joining(self):
+            return dict(self.waiting)
+
+        def active(self):
+            return dict(self.taking)
+
+        def joined(self, ids, version):
+            self.taking.update({i: self.waiting.pop(i) for i in ids if i in self.waiting})
+
+    class Remote:  # fleet.method.remote() returns the value itself; ray.get passes it through
+        def __init__(self, fleet):
+            self.fleet = fleet
+
+        def __getattr__(self, name):
+            return type("Method", (), {"remote": staticmethod(getattr(self.fleet, name))})
+
+    weights = {"step": 0}
+    sent = []  # (engine ids, version, the trainer's step its weights are of)
+
+    class Sync(WeightSync):
+        def _broadcast(self, members, version, pause_mode):
+            sent.append((sorted(members), version, weights["step"]))
+            return members
+
+        def verify(self, members, version):
+            pass
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    fleet = Fleet()
+    sync = object.__new__(Sync)
+    sync.fleet, sync.members, sync.check, sync.holding = Remote(fleet), {}, False, set()
+    sync.version = sync.engine_version = 0
+    sync.trained = False
+
+    def step():  # the pipeline's: to_train, then the update
+        sync.to_train()
+        weights["step"] += 1
+
+    step()
+    sync.sync()  # version 1: the weights after step 1
+    fleet.waiting[7] = "engine 7"
+    assert sync.catch_up() == 1 and sent[-1] == ([7], 1, 1)  # version 1's weights, tagged 1
+    step()  # step 2: no sync (every 2 steps)
+    fleet.waiting[8] = "engine 8"
+    assert sync.catch_up() == 0, f"sent {sent[-1]}: the weights of step 2 tagged as version 1 (step 1's)"
+    step()
+    sync.sync()
+    assert sent[-1] == ([7, 8], 2, 3) and 8 in sync.members  # it joins with everyone at the next sync

@@ -16,9 +16,12 @@ every seat gets the local subprocess runtime, whose commands run in this project
 unless --agent.sandbox unsafe, and a seat with no harness of the environment's own gets the in-process chat loop of
 agent/verifiers_harness.py, unless --agent.verifiers_args says otherwise."""
 
+import contextlib
 import copy
 import json
 import os
+import sys
+import tempfile
 
 from openrlhf_async.agent import EPISODE_FIELD, AgentFileError, StepResult
 from openrlhf_async.utils.user_files import check_user_file, import_user_file
@@ -64,6 +67,19 @@ def cause(e: Exception) -> str:
     except Exception:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def missing(e: Exception) -> str:
+    """cause(e), or for data NLTK could not find (it downloads on first use, which fails offline) which, and how to
+    install it ahead of time."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # NLTK's versions colour the name, or quote it
+    found = re.search(r"Resource '?([\w./-]+)'? not found", text) if isinstance(e, LookupError) else None
+    if found is None:
+        return cause(e)
+    return (f"NLTK's {found.group(1)!r} data is missing and could not be downloaded; install it ahead of time with "
+            f"`python -m nltk.downloader {found.group(1)}`, into a folder NLTK searches (~/nltk_data, or $NLTK_DATA)")
 
 
 def seats(config_cls) -> dict:
@@ -161,10 +177,41 @@ def tasks(env, max_tasks: int) -> list:
     no further, in the dry run and in every engine alike."""
     import itertools
 
-    out = list(itertools.islice(env.taskset, max_tasks))
+    name = getattr(getattr(env.config, "taskset", None), "id", None) or type(env.taskset).__name__
+    try:
+        with _held_output():
+            out = list(itertools.islice(env.taskset, max_tasks))
+    except Exception as e:
+        raise AgentFileError(f"--agent.verifiers_env {name}: its tasks could not be read ({missing(e)})") from None
     if not out:
         raise AgentFileError("--agent.verifiers_env: its taskset yields no task")
     return out
+
+
+@contextlib.contextmanager
+def _held_output():
+    """What the taskset prints while it loads, shown once it loaded and dropped when it failed (then the error says
+    what went wrong in one line): at the descriptors, since NLTK prints its download banners to the stderr it was
+    imported with."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    ok = False
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            if ok:
+                sink.seek(0)
+                sys.stderr.write(sink.read().decode(errors="replace"))
 
 
 def prompt_rows(env, max_tasks: int) -> list:

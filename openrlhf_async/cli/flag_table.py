@@ -5,7 +5,8 @@ the config: `python -m openrlhf_async.cli.flag_table`, pasted between that page'
 from openrlhf_async.config import settings, support
 
 # Defaults that are not one value: shown in words (this one is the time the run's process started).
-_SHOWN = {"logger.wandb.run_name": "ppo_%m%dT%H:%M (the start time)"}
+_SHOWN = {"logger.wandb.run_name": "ppo_%m%dT%H:%M (the start time)",
+          "algo.advantage.is_correction_threshold": "0.5 5 (clip: 5)"}
 _SUPPORT = {"same": "same as OpenRLHF"}
 
 

@@ -43,6 +43,13 @@ def prepare(cfg):
                 resume)
     write_run_config(cfg)
     model_path = local_model(cfg)
+    tokenizer_here = not os.path.isdir(model_path) or any(os.path.isfile(os.path.join(model_path, name))
+                                                          for name in TOKENIZER_FILES)
+    if cfg.data.apply_chat_template and tokenizer_here:  # here, before Ray starts its threads: the check forks
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
+        check_chat_template(cfg, tokenizer, train_rows)
     check_observation_turn(cfg, model_path)
     return model_path, train_rows, eval_rows, resume
 
@@ -87,8 +94,7 @@ def check_user_files(cfg):
             from openrlhf_async.agent.verifiers_env import load_env, tasks
 
             verifiers_env = load_env(cfg.agent.verifiers_env, cfg.agent.verifiers_args, cfg.agent.sandbox)
-            if cfg.data.prompt_dataset:  # else prompt_rows reads them below, before any engine
-                tasks(verifiers_env, cfg.agent.verifiers_max_tasks)  # as the engines will: a broken taskset fails here
+            tasks(verifiers_env, cfg.agent.verifiers_max_tasks)  # as the engines will: a broken taskset fails here
         else:
             load_agent(cfg.agent.func_path, cfg.agent.workers).close()
         make_reward(**cfg.reward.source())
@@ -232,19 +238,30 @@ def check_prompt_lengths(cfg, train_rows: list, eval_rows: list) -> None:
     tokenizer = dry_run_tokenizer(cfg)
     if tokenizer is None:
         return
-    if cfg.data.apply_chat_template and not tokenizer.chat_template:
-        raise ConfigError(f"--data.apply_chat_template: the tokenizer of {cfg.actor.model_name_or_path} has no chat "
-                          "template; leave the flag off (prompts go in as text, through --data.input_template)")
+    if cfg.data.apply_chat_template:
+        check_chat_template(cfg, tokenizer, train_rows)
     level = logging.get_verbosity()
     logging.set_verbosity_error()  # its warning of a prompt longer than the model's is said below, in one line
     try:
         for rows, where in ((train_rows, "--data.prompt_dataset"), (eval_rows, "--eval.dataset")):
             picked = dry_run_sample(len(rows))
             prompts = tokenize_prompts(tokenizer, [rows[i] for i in picked], cfg.data.apply_chat_template,
-                                       cfg.data.input_template)
+                                       cfg.data.input_template, cfg.data.parse_special_tokens, where)
             check_sample_lengths(prompts, picked, len(rows), cfg.data.max_len, where)
     finally:
         logging.set_verbosity(level)
+
+
+def check_chat_template(cfg, tokenizer, rows: list) -> None:
+    """The model has a chat template, and its first render (of the first prompt) is bounded (data/chat_template.py)."""
+    from openrlhf_async.data.chat_template import check_first_render
+
+    where = f"--actor.model_name_or_path {cfg.actor.model_name_or_path or 'embedded tiny model'}"
+    if not tokenizer.chat_template:
+        raise ConfigError(f"--data.apply_chat_template: the tokenizer of {cfg.actor.model_name_or_path} has no chat "
+                          "template; leave the flag off (prompts go in as text, through --data.input_template)")
+    if rows:
+        check_first_render(tokenizer, rows[0]["prompt"], where)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -267,9 +284,12 @@ def dry_run_tokenizer(cfg):
     if not os.path.isdir(model) or any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
         try:
             return AutoTokenizer.from_pretrained(model, use_fast=use_fast, local_files_only=True)
-        except (OSError, ValueError) as e:  # a Hub model not downloaded yet, a broken folder: left to the start
-            why = f"does not load ({' '.join(str(e).split())[:160]})" if os.path.isdir(model) else \
-                "is not on this machine"
+        except Exception as e:  # tokenizers raises a bare Exception for a tokenizer.json of a model type it lacks
+            if os.path.isdir(model):  # the start would fail the same way, after starting the cluster
+                raise ConfigError(f"--actor.model_name_or_path {model}: its tokenizer does not load "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); give the model's own "
+                                  "tokenizer files") from None
+            why = "is not on this machine"  # a Hub model not downloaded yet: left to the start
     notice(f"--actor.model_name_or_path {model}: its tokenizer {why}, so the dry run did not count the prompts' "
            "tokens against --data.max_len")
     return None

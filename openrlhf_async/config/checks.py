@@ -351,7 +351,8 @@ def _validate_algo(cfg: Config) -> None:
         raise ConfigError(f"--algo.kl.init_coef {a.kl_init_coef} without --algo.kl.use_loss puts the KL in the reward, "
                           f"which {a.advantage_estimator} whitens over the batch's tokens: not built yet; add "
                           "--algo.kl.use_loss, set --algo.kl.init_coef 0, or use group_norm / rloo / dr_grpo")
-    threshold = tuple(a.is_correction_threshold)
+    # clip is TIS, min(w, HIGH): a weight below 1 is left as it is unless the user gives a floor (LOW HIGH)
+    threshold = tuple(a.is_correction_threshold or ((5.0,) if a.is_correction_mode == "clip" else (0.5, 5.0)))
     if len(threshold) == 1:  # HIGH alone: an upper bound
         threshold = (0.0, threshold[0])
     if len(threshold) != 2 or threshold[0] > threshold[1]:
@@ -405,6 +406,11 @@ def _validate_model(cfg: Config) -> None:
         raise ConfigError(f"--actor.model_name_or_path {model}: a mixture of experts of type "
                           f"{model_config_type(model)}, whose experts' weights this project does not map to vLLM's "
                           f"names; the types built: {', '.join(MOE_TYPES)}")
+    if cfg.actor.routing_replay and experts and cfg.ds.ring_attn_size > 1:
+        raise ConfigError(f"--ds.ring_attn_size {cfg.ds.ring_attn_size} with --actor.routing_replay: {model} is a "
+                          "mixture of experts, whose rollout routes are not split across a sequence-parallel group "
+                          "here (they would go unreplayed); add --no-actor.routing_replay to train on the trainer's "
+                          "own routing, or drop --ds.ring_attn_size")
     if cfg.actor.routing_replay and not cfg.vllm.enforce_eager and experts:
         cfg.vllm.enforce_eager = True
         notice(f"--actor.routing_replay turns on --vllm.enforce_eager: {model} is a mixture of experts, whose routes "

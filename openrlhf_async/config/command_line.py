@@ -153,29 +153,37 @@ def preset_config(name: str = "tiny_cpu", *flags: str) -> "schema.Config":
 FLAGS_FILE_MAX_BYTES = 1 << 20  # a flags file is a few lines; a larger one is something else (or /dev/zero)
 FLAGS_FILE_MAX_DEPTH = 16  # flags files within flags files
 FLAGS_FILES_MAX = 1000  # flags files read for one command line (a file naming another many times, nested)
+FLAGS_FILES_MAX_BYTES = 1 << 20  # all of them together: one file named many times must not expand without end
+# Arguments on the command line, flags files expanded: every flag once is under 1,000, and argparse takes time
+# quadratic in their number (16,000 take it half a minute).
+ARGS_MAX = 4096
 
 
 def expand_preset_files(argv: list, including: tuple = (), read: list = None) -> list:
     """@FILE arguments replaced by the flags in FILE (written as on a command line; # starts a comment), which may
-    name flags files of their own. including: the files whose flags are being read, outermost first; read: every
-    flags file read so far."""
+    name flags files of their own, within FLAGS_FILES_MAX files and FLAGS_FILES_MAX_BYTES bytes in all. including:
+    the files whose flags are being read, outermost first; read: the bytes of every flags file read so far."""
     out, read = [], [] if read is None else read
     for arg in argv:
         if not arg.startswith("@"):
             out.append(arg)
             continue
         chain = (*including, arg[1:])
-        read.append(arg[1:])
-        if len(read) > FLAGS_FILES_MAX:
+        if len(read) >= FLAGS_FILES_MAX:
             raise ConfigError(f"@{chain[0]}: reads more than {FLAGS_FILES_MAX} flags files (one named many times over "
                               "in nested files?); name each flags file once")
-        out.extend(expand_preset_files(_read_flags_file(chain), chain, read))
+        out.extend(expand_preset_files(_read_flags_file(chain, read), chain, read))
+    if not including and len(out) > ARGS_MAX:
+        files = " ".join(a for a in argv if a.startswith("@"))[:200]
+        raise ConfigError(f"the command line{' with ' + files if files else ''} holds more than {ARGS_MAX} arguments; "
+                          "give each flag once")
     return out
 
 
-def _read_flags_file(chain: tuple) -> list:
-    """The flags in the last file of chain (the files including it before it); a cycle, a file too deep, too large,
-    not text or not splittable is a one-line ConfigError naming it."""
+def _read_flags_file(chain: tuple, read: list) -> list:
+    """The flags in the last file of chain (the files including it before it), its size appended to read; a cycle,
+    a file too deep, too large (alone, or with the files read before it), not text or not splittable is a one-line
+    ConfigError naming it."""
     path = chain[-1]
     if os.path.realpath(path) in map(os.path.realpath, chain[:-1]):
         raise ConfigError(f"{' -> '.join('@' + p for p in chain)}: the flags file includes itself; remove the @ line "
@@ -191,6 +199,10 @@ def _read_flags_file(chain: tuple) -> list:
     if len(data) > FLAGS_FILE_MAX_BYTES:
         raise ConfigError(f"@{path}: the flags file is larger than {FLAGS_FILE_MAX_BYTES >> 20} MiB: not a flags "
                           "file? Give one with flags written as on a command line")
+    read.append(len(data))
+    if sum(read) > FLAGS_FILES_MAX_BYTES:
+        raise ConfigError(f"@{chain[0]}: its flags files hold more than {FLAGS_FILES_MAX_BYTES / 2**20:g} MiB together "
+                          f"(@{path} named many times over?); name each flags file once")
     try:
         text = data.decode("utf-8")
         if "\0" in text:

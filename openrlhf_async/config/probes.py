@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 from openrlhf_async.errors import ConfigError, notice
-from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS, gguf_context_length, is_gguf
+from openrlhf_async.utils.model_info import TINY_MAX_POSITIONS, check_sizes, gguf_context_length, is_gguf
 
 
 def resolve_device(requested: str) -> str:
@@ -38,8 +38,9 @@ def model_positions(model: Optional[str]):
 
 
 def read_model_config(flag: str, folder: str) -> dict:
-    """A model folder's config.json (ConfigError naming the flag when it is missing, not JSON or nested past
-    json_text's bound)."""
+    """A model folder's config.json, its sizes checked (model_info.check_sizes) and then loaded as the start loads it
+    (AutoConfig, no remote code); ConfigError naming the flag when it is missing, not JSON, nested past json_text's
+    bound, or refused by that loader (a model type transformers lacks, an auto_map's code)."""
     from openrlhf_async.utils.json_text import loads
 
     config_file = os.path.join(folder, "config.json")
@@ -55,6 +56,17 @@ def read_model_config(flag: str, folder: str) -> dict:
         raise ConfigError(f"{flag} {folder}: config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{flag} {folder}: config.json is not a JSON object; give a model's config")
+    check_sizes(config, f"{flag} {folder}: config.json")
+    if not (config.get("model_type") or "auto_map" in config):  # nothing for the loader to key on: left to the start
+        return config
+    from transformers import AutoConfig
+
+    try:  # trust_remote_code False, not unset: unset, transformers asks on a terminal whether to run the code
+        AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ConfigError(f"{flag} {folder}: config.json does not load as the run would load it ({reason}); give a "
+                          "model of a type transformers builds, without custom code") from None
     return config
 
 

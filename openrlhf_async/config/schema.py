@@ -401,6 +401,11 @@ class DataConfig:
                                                   "prompt", type=str, openrlhf="same")
     apply_chat_template: bool = setting(False, "format prompts with the tokenizer's chat template", openrlhf="same")
     disable_fast_tokenizer: bool = setting(False, "use the slow (Python) tokenizer", openrlhf="same")
+    parse_special_tokens: bool = setting(True, "encode the tokenizer's special tokens in the dataset's text "
+                                               "(<|im_end|>, ...) as those tokens, as Hugging Face and OpenRLHF do, so "
+                                               "a row can write chat turns of its own (a warning counts such prompts); "
+                                               "off: the text is encoded as plain text, only the template's tokens "
+                                               "special")
     max_len: int = setting(2048, "prompt + response tokens at most", range=">= 1", openrlhf="same")
     max_samples: int = setting(100_000_000, "training prompts used at most", range=">= 1", openrlhf="same")
     dataloader_num_workers: int = setting(0, "data loader worker processes",
@@ -457,16 +462,19 @@ class AlgoConfig:
                                        choices=("off", "token", "seq"), flag="algo.advantage.is_correction_level",
                                        openrlhf="same")
     is_correction_mode: str = setting("mask", "mask drops units outside the band (survivors keep their weight; "
-                                              "ICEPOP), clip clamps the token ratio into it (TIS)",
+                                              "ICEPOP), clip caps the token ratio at HIGH (TIS: min(w, HIGH); "
+                                              "raised to LOW too only where LOW is given)",
                                       choices=("mask", "clip"), flag="algo.advantage.is_correction_mode",
                                       openrlhf="same")
     is_correction_gating: str = setting("ratio", "what the band reads: ratio (the weight itself), binary_kl or tv "
                                                  "(the sampled token's divergence; an upper bound only)",
                                         choices=("ratio", "binary_kl", "tv"),
                                         flag="algo.advantage.is_correction_gating", openrlhf="same")
-    is_correction_threshold: tuple = setting((0.5, 5.0), "LOW HIGH band of the gated statistic, or HIGH alone "
-                                                         "(an upper bound)", type=float, nargs="+", range=">= 0",
-                                             flag="algo.advantage.is_correction_threshold", openrlhf="same")
+    is_correction_threshold: Optional[tuple] = setting(
+        None, "LOW HIGH band of the gated statistic, or HIGH alone (an upper bound); none: 0.5 5, with clip 5 alone",
+        type=float, nargs="+", range=">= 0", flag="algo.advantage.is_correction_threshold",
+        openrlhf="differs: clip (tis) raises no weight to LOW unless LOW is given, as TIS is min(w, HIGH) (OpenRLHF "
+                 "0.11.2's clamps into the band from both sides: a weight below 0.5 becomes 0.5)")
     dynamic_filtering_enable: bool = setting(False, "keep a group only if its scores pass the rule (DAPO dynamic "
                                                     "sampling)", openrlhf="same")
     dynamic_filtering_range: tuple = setting((0.0, 1.0), "mean_range rule: a kept group's mean score lies strictly "
@@ -719,6 +727,9 @@ class Config:
     overwrite: bool = setting(False, "start a fresh run even where an earlier run left its records (metrics, "
                                      "timeline, prompts, final model, checkpoints): they are deleted first. Without "
                                      "it such a run folder is refused")
+    allow_system_dirs: bool = setting(False, "let the run folder, checkpoints and final model go into a system folder "
+                                             "(/etc, /usr, /bin, /var, ...), where they would replace the system's "
+                                             "files; without it such a folder is refused")
     local_rank: int = setting(-1, "DeepSpeed launcher's rank", openrlhf="no effect: ranks are Ray actors here")
     use_ms: bool = setting(False, "fetch models from ModelScope",
                            openrlhf="refused: ModelScope is not supported; give a local model folder")

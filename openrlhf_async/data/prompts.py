@@ -5,21 +5,35 @@ import json
 import math
 import os
 import random
+import re
 import reprlib
 import string
 import sys
 
-from openrlhf_async.data.sources import TABLE_FILES, dataset_names, mix, mixture_probs, read_dataset
+from openrlhf_async.data.sources import TABLE_FILES, Budget, dataset_names, mix, mixture_probs, read_dataset
 from openrlhf_async.errors import ConfigError
 
 
 def read_rows(name: str, split: str, flag: str, max_samples: int) -> list:
-    """One dataset's first max_samples rows. A file that is no table file (TABLE_FILES) is JSON lines, read here so
-    that an error names the bad line; everything else goes through Hugging Face datasets."""
+    """One dataset's first max_samples rows, within its Budget (data/sources.py). A file that is no table file
+    (TABLE_FILES) is JSON lines, read here a line at a time so that an error names the bad line; everything else is
+    sources.read_dataset's."""
     if os.path.isfile(name) and os.path.splitext(name)[1].lower() not in TABLE_FILES:
+        budget = Budget(f"{flag} {name}", flag)
         with open(name, "rb") as f:  # bytes: a line that is not UTF-8 is a bad line, not a failed read
-            return json_lines(f, f"{flag} {name}")[:max_samples]
+            rows = json_lines(_budgeted_lines(f, budget), budget.where, most=budget.most(max_samples))
+        budget.take(len(rows), 0)
+        return rows
     return read_dataset(name, split, flag, max_samples)
+
+
+def _budgeted_lines(f, budget: Budget):
+    while True:  # readline's limit: one endless line is read no further than the budget
+        line = f.readline(budget.bytes_left + 1)
+        if not line:
+            return
+        budget.take(0, len(line))
+        yield line
 
 
 MAX_DEPTH = 64  # how deeply a row's JSON may nest (a chat prompt: 3 levels); deeper is malformed or hostile
@@ -35,12 +49,14 @@ class BadLine:
         self.reason = reason
 
 
-def json_lines(lines, where: str, check=None, keep_bad: bool = False) -> list:
-    """One JSON value per non-blank line (text, or bytes decoded as UTF-8); a bad line is a ConfigError naming
-    `where` and the line, or with keep_bad a BadLine in the rows. check(value): what is wrong with a parsed value
-    ("does not have ..."), or None when it is fine."""
+def json_lines(lines, where: str, check=None, keep_bad: bool = False, most: int = None) -> list:
+    """One JSON value per non-blank line (text, or bytes decoded as UTF-8), the first `most` of them; a bad line is a
+    ConfigError naming `where` and the line, or with keep_bad a BadLine in the rows. check(value): what is wrong with
+    a parsed value ("does not have ..."), or None when it is fine."""
     rows = []
     for line_no, line in enumerate(lines, 1):
+        if most is not None and len(rows) >= most:
+            break
         row, problem = _parse_line(line)
         if row is _BLANK:
             continue
@@ -249,22 +265,74 @@ def check_input_template(template) -> None:
                           f"doubled: {{{{ }}}})")
 
 
-def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_template=None) -> list:
+def tokenize_prompts(tokenizer, rows: list, apply_chat_template: bool, input_template=None,
+                     parse_special_tokens: bool = True, where: str = "--data.prompt_dataset") -> list:
     """Prompt rows to [{"prompt_ids", "label", "prompt"}]; a text prompt is one user turn, a message list goes in whole.
-    Without the chat template, the text (a message list's contents, a line each) goes into input_template's {}."""
-    out = []
+    Without the chat template, the text (a message list's contents, a line each) goes into input_template's {}.
+    parse_special_tokens (--data.parse_special_tokens): the dataset's text may hold the tokenizer's special tokens,
+    encoded as those tokens, as Hugging Face and OpenRLHF encode it (a warning counts the prompts that do); off, it is
+    encoded as plain text, and only the template's own special tokens are special."""
+    special = _special_tokens(tokenizer)
+    added = None if parse_special_tokens or apply_chat_template else _added_around(tokenizer)
+    out, forged = [], []
     for row in rows:
         prompt = row["prompt"]
-        if apply_chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if parse_special_tokens and any(special.search(m["content"]) for m in messages):
+            forged.append(len(out))
+        if not parse_special_tokens:
+            ids = _encode_text_plainly(tokenizer, messages, apply_chat_template, input_template, added)
+        elif apply_chat_template:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         else:
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            text = "\n".join(m["content"] for m in messages)
             ids = tokenizer.encode(input_template.format(text) if input_template else text)
         # The prompt as the dataset gave it, for agents written against the OpenAI API (they send the messages).
         out.append({"prompt_ids": list(ids), "label": row["label"], "prompt": prompt,
                     **({"info": row["info"]} if "info" in row else {})})
+    if forged:
+        print(f"warning: {where}: {len(forged)} of {len(rows)} prompts (the first is prompt {forged[0]}) hold the "
+              "tokenizer's special tokens, encoded as those tokens, so a row can write chat turns of its own; "
+              "--no-data.parse_special_tokens encodes them as text", file=sys.stderr, flush=True)
     return out
+
+
+# Private-use characters around each text of the dataset in a render, to tell it from the template's pieces.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+def _encode_text_plainly(tokenizer, messages: list, apply_chat_template: bool, input_template, added) -> list:
+    """The prompt's ids with the dataset's text encoded as plain text (split_special_tokens) and the template's pieces
+    around it as usual, its special tokens included: the text is rendered between markers and each piece encoded on
+    its own. added: what encode puts around a text (a BOS), which the chat template writes itself."""
+    marked = [{**m, "content": _OPEN + m["content"].replace(_OPEN, "").replace(_CLOSE, "") + _CLOSE}
+              for m in messages]
+    if apply_chat_template:
+        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in marked)
+        rendered = input_template.format(text) if input_template else text
+    pieces = rendered.replace(_CLOSE, _OPEN).split(_OPEN)
+    if len(pieces) != 2 * len(messages) + 1:  # a template that drops or repeats a message's text
+        raise ConfigError("--no-data.parse_special_tokens: the chat template does not place each message's text once, "
+                          "so the dataset's text cannot be told from the template's; drop the flag")
+    ids = [t for i, piece in enumerate(pieces) if piece
+           for t in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=i % 2 == 1)]
+    return ids if added is None else added[0] + ids + added[1]
+
+
+def _added_around(tokenizer) -> tuple:
+    """(before, after): the ids encode adds around a text (a BOS, an EOS), found around the ids of one letter."""
+    inner, outer = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a")
+    at = next((i for i in range(len(outer)) if outer[i:i + len(inner)] == inner), None)
+    return ([], []) if at is None else (outer[:at], outer[at + len(inner):])
+
+
+def _special_tokens(tokenizer):
+    """A pattern matching the tokenizer's special tokens in text."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()  # none on a test's stand-in
+    tokens = sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens)) if tokens else "(?!)")
 
 
 def skip_unfit_prompts(prompts: list, max_len: int, where: str, mark: bool) -> list:

@@ -484,9 +484,8 @@ def engine_env(cfg, bundles: tuple = None) -> dict:
         if executor_backend(cfg.vllm) == "uni":
             # vLLM-CPU turns "uni" into "mp" unless this is 0; AsyncLLM still runs the engine core in its own process.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if records_routes(cfg.actor.model_name_or_path, cfg.vllm):
-        # The route recorder (rollout/routes.py) reads the V1 model runner's batch; with Triton vLLM 0.32 runs V2.
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # vLLM's model runner, chosen in vllm_compat alone: V1 for routing replay, else the driver's choice or vLLM's.
+    env.update(vllm_compat.model_runner_env(records_routes(cfg.actor.model_name_or_path, cfg.vllm)))
     return env
 
 

@@ -8,7 +8,8 @@ for that waiting group) it becomes ready and an engine starts in it.
 
 A started engine holds the model's initial weights, so it takes no work until it has joined the weight-sync group
 and received the trainer's current weights and version ("joining", then "active"): the trainer syncs joining
-engines as soon as it is between steps (WeightSync.catch_up), and with everyone at its next sync. The controller
+engines as soon as it is between steps with the last sync's weights (WeightSync.catch_up), else with everyone at its
+next sync. The controller
 routes work to active engines only."""
 
 import time

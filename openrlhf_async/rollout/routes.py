@@ -10,8 +10,8 @@ by RouteRecorder below, which files each step's rows under the requests and posi
 
 A request's routes cover the positions vLLM computed for it: a prompt's prefix read from the prefix cache, or an
 earlier turn's tokens, were computed by another request (a sibling of the group, the episode's earlier turn), and
-`assemble` takes them from whichever request of the group computed them. A position none computed (an episode's
-last token, never fed back) is -1: the trainer routes it itself."""
+`assemble` takes them from whichever request of the group computed them, the episode's own first. A position none
+computed (an episode's last token, never fed back) is -1: the trainer routes it itself."""
 
 import numpy as np
 
@@ -98,19 +98,23 @@ def assemble(tokens: list, requests: list):
     """One sample's routes ([len(tokens), layers, top_k] int16, -1 where no request computed the position) from the
     group's requests [(their tokens: prompt and output, routes as recorded)] in the order they ended. A token's
     routes depend on it and the tokens before it alone, so a request gives the positions it computed within its
-    common prefix with the sample (a sibling's prompt, an earlier turn), a later request over an earlier. None when
-    no request has any."""
-    out = None
+    common prefix with the sample. The sample's own requests (its turns: all their tokens are the sample's) come
+    first, and a sibling's (a shared prompt) fill in only what they did not compute: across a sync, or with
+    batch-variant kernels, a sibling's routes of the same prefix are not the ones that made the sample's cache.
+    Within each, a later request over an earlier. None when no request has any."""
+    spans = []
     for request_tokens, routes in requests:
         if routes is None:
             continue
         common = next((i for i, (a, b) in enumerate(zip(request_tokens, tokens)) if a != b),
                       min(len(request_tokens), len(tokens)))
         span = min(common, routes.shape[0])
-        if span == 0:
-            continue
-        if out is None:
-            out = np.full((len(tokens), *routes.shape[1:]), UNKNOWN, dtype=np.int16)
-        known = (routes[:span] != UNKNOWN).any(axis=(1, 2))  # computed (a dense layer's stay -1)
-        out[:span][known] = routes[:span][known]
+        if span:
+            spans.append((common == len(request_tokens), routes[:span]))
+    if not spans:
+        return None
+    out = np.full((len(tokens), *spans[0][1].shape[1:]), UNKNOWN, dtype=np.int16)
+    for _, routes in sorted(spans, key=lambda s: s[0]):  # stable: the siblings' in order, then the own
+        known = (routes != UNKNOWN).any(axis=(1, 2))  # computed (a dense layer's stay -1)
+        out[: len(routes)][known] = routes[known]
     return out

@@ -288,18 +288,20 @@ class SyncGroup:
 
 
 # ---- the fingerprint a weight sync is checked with ---------------------------------------------------------------
-# Weights as the engines hold them are compared exactly, over their bit patterns, grouped so that neither side's
-# layout matters: a decoder layer's weights (`...layers.N.`) are one group however vLLM packs them (q, k and v in
-# one qkv_proj) or shards them across tensor-parallel workers, and every other weight falls in "rest". A group's
-# fingerprint is the sum, modulo 2^64, of its weights read as 64-bit words (four bf16 elements, two fp32 ones): one
-# pass at the speed of memory. Wrapping addition is exact and independent of the order of summation, so the
-# tolerance is zero. Element i of a weight lands in its word at position i mod 4 (bf16), wherever it lies: a rank's
-# partition that starts mid-word counts its first and last elements one by one. Packing and sharding keep that
-# position where the parts' sizes are multiples of a word, as every model's dimensions are (were one not, the check
-# would fail loudly, never pass wrongly). Zeros add nothing, so vLLM's padding of the vocabulary changes nothing. On
-# request (values) a group also carries the sum of its values: to say how large a difference is.
-_UNSIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# Weights as the engines hold them are compared exactly, in checkpoint coordinates, grouped so that a difference
+# names its decoder layer (`...layers.N.`; every other weight falls in "rest"). A weight W (checkpoint name n, seen as
+# rows W[r] of the first dimension, each row as 16-bit halves h: one a bf16 element, two an fp32 one) adds
+# Σ_r a_n(r) Σ_c v(c) h_rc mod 2^64 to its group: a_n(r) an odd 64-bit hash of (n, r), v(c) an odd integer hash of c
+# below 2^20 in size. Each row's inner sum is taken in float64 over blocks of at most 2^17 halves, so it is an integer
+# below 2^52: exact in any order; the rest is wrapping integer arithmetic. So the tolerance is zero, any partition of
+# a weight (ZeRO-3 ranks' flat ranges, tensor-parallel shards, q/k/v packed in one parameter) adds up to the
+# whole's, and an element that moves (k and v swapped, two experts, gate and up, permuted heads) or two that change
+# together (two sign bits) changes the sum unless a 64-bit coincidence. Zeros add nothing (vLLM's vocabulary
+# padding). On request (values) a group also carries the sum of its values: to say how large a difference is.
 _WORD = 1 << 64
+_BLOCK = 1 << 17  # halves a row's float64 sum takes at a time: 2^17 x 2^15 x 2^20 = 2^52 < 2^53
+_M1, _M2, _GAMMA = 0xBF58476D1CE4E5B9 - _WORD, 0x94D049BB133111EB - _WORD, 0x9E3779B97F4A7C15 - _WORD
+_columns = {}  # device -> v(c) for c < its length, float64
 
 
 def fingerprint_group(name: str) -> str:
@@ -307,55 +309,103 @@ def fingerprint_group(name: str) -> str:
     return f"layers.{match.group(1)}" if match else "rest"
 
 
-def fingerprint(items, into: dict = None, values: bool = False, group=fingerprint_group) -> dict:
-    """{group: [Σ words mod 2^64] (and Σ values)} of (name, tensor) or (name, tensor, index of its first element in
-    the whole weight) items, tensors in the engines' dtype, added to into: the fingerprints of a weight's parts (ranks'
-    partitions, tensor-parallel shards) add up to the whole's. group: the key a name's sums go to (by parameter:
-    str)."""
+def fingerprint(items, into: dict = None, values: bool = False) -> dict:
+    """{group: [Σ mod 2^64] (and Σ values)} of (name, tensor) items (the whole checkpoint weight) or (name, flat part,
+    index of its first element in the weight, the weight's shape), tensors in the engines' dtype, added to into: the
+    fingerprints of a weight's parts add up to the whole's."""
     into = {} if into is None else into
-    for name, tensor, *start in items:
+    for name, tensor, *where in items:
+        start, shape = where or (0, tensor.shape)
+        cols = math.prod(shape[1:])
         flat = tensor.detach().reshape(-1)
-        sums = into.setdefault(group(name), [0, 0.0] if values else [0])
-        sums[0] = (sums[0] + _word_sum(flat, start[0] if start else 0)) % _WORD
+        sums = into.setdefault(fingerprint_group(name), [0, 0.0] if values else [0])
+        if not flat.numel():
+            continue
+        head = min((-start) % cols, flat.numel())  # a partial first row, whole rows, a partial last row
+        body = (flat.numel() - head) // cols * cols
+        for a, b in ((0, head), (head, head + body), (head + body, flat.numel())):
+            if b > a:
+                first = start + a
+                width = cols if b - a >= cols else b - a
+                sums[0] = (sums[0] + block_sum(name, flat[a:b].view(-1, width), first // cols, first % cols)) % _WORD
         if values:
             sums[1] += float(flat.sum(dtype=torch.float64))
     return into
 
 
-def _word_sum(flat: torch.Tensor, start: int) -> int:
-    width = flat.element_size()
-    per = 8 // width
-    head = min((-start) % per, flat.numel())
-    body = (flat.numel() - head) // per * per
-    total = _edge_sum(flat[:head], start) + _edge_sum(flat[head + body :], start + head + body)
-    if body:
-        words = flat[head : head + body]
-        if words.storage_offset() % per:  # not on an 8-byte boundary of its storage: a copy that is
-            words = words.clone()
-        total += int(words.view(torch.int64).sum())
-    return total % _WORD
+def block_sum(name: str, block: torch.Tensor, row: int, col: int) -> int:
+    """Σ_r a_name(row + r) Σ_c v(col's halves + c) h_rc mod 2^64 of a block of rows [k, m] of a checkpoint weight,
+    its first element at (row, col)."""
+    halves = block.reshape(block.shape[0], -1).view(torch.int16)
+    per = halves.shape[1] // max(1, block.shape[1])
+    dots = torch.zeros(halves.shape[0], dtype=torch.int64, device=halves.device)
+    v = _column_weights(col * per + halves.shape[1], halves.device)[col * per:]
+    chunk = max(1, (1 << 16 if halves.device.type == "cpu" else 1 << 24) // halves.shape[1])  # in cache on a cpu
+    buffer = torch.empty(min(chunk, halves.shape[0]), min(halves.shape[1], _BLOCK), dtype=torch.float64,
+                         device=halves.device)
+    threads = torch.get_num_threads()
+    if halves.device.type == "cpu":  # many small ops: a thread pool sharing its cores with others waits on them
+        torch.set_num_threads(1)
+    try:
+        for c in range(0, halves.shape[1], _BLOCK):
+            w = min(_BLOCK, halves.shape[1] - c)
+            for r in range(0, halves.shape[0], chunk):
+                part = buffer[: min(chunk, halves.shape[0] - r), :w]
+                part.copy_(halves[r : r + part.shape[0], c : c + w])
+                dots[r : r + part.shape[0]] += torch.mv(part, v[c : c + w]).to(torch.int64)
+    finally:
+        torch.set_num_threads(threads)
+    rows = torch.arange(row, row + halves.shape[0], dtype=torch.int64, device=halves.device)
+    return int((_mix(rows * _GAMMA + _name_seed(name)) | 1).mul_(dots).sum()) % _WORD
 
 
-def _edge_sum(part: torch.Tensor, start: int) -> int:
-    """Elements outside whole words, one by one: each one's bit pattern (unsigned) at its place in its word
-    (little-endian), element start + i at place (start + i) mod the elements a word holds."""
-    width = part.element_size()
-    return sum((bits % (1 << (8 * width))) << (8 * width * ((start + i) % (8 // width)))
-               for i, bits in enumerate(part.view(_UNSIGNED[width]).tolist()))
+def _name_seed(name: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping; >> made logical)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _column_weights(n: int, device) -> torch.Tensor:
+    v = _columns.get(str(device))
+    if v is None or len(v) < n:
+        c = torch.arange(max(n, 2 * len(v) if v is not None else 0), dtype=torch.int64, device=device)
+        v = ((((_mix(c + _GAMMA) >> 43) & ((1 << 21) - 1)) | 1) - (1 << 20)).double()  # odd, |v| < 2^20
+        _columns[str(device)] = v
+    return v
+
+
+def pieces_fingerprint(pieces, values: bool = False) -> dict:
+    """A worker's fingerprint by piece: {"name@row:col+rows": [Σ mod 2^64] (and Σ values)} of (checkpoint name,
+    block of rows [k, m], first row, first column) pieces (weight_transfer.checkpoint_pieces): which part of a
+    checkpoint weight each is, so that an engine counts a part several workers hold once (workers_fingerprint)."""
+    out = {}
+    for name, block, row, col in pieces:
+        sums = out.setdefault(f"{name}@{row}:{col}+{block.shape[0]}", [0, 0.0] if values else [0])
+        sums[0] = (sums[0] + block_sum(name, block.detach(), row, col)) % _WORD
+        if values:
+            sums[1] += float(block.sum(dtype=torch.float64))
+    return out
 
 
 def workers_fingerprint(workers: list) -> dict:
-    """An engine's fingerprint from its tensor-parallel workers' fingerprints by parameter: a parameter whose sums
-    are the same on every worker is held whole by each (a norm's weight, a row-parallel layer's bias) and counts once;
-    any other is split across them, and its parts add up. (Two different shards with equal 64-bit sums would count
-    once: as likely as a collision of random 64-bit numbers; a worker whose copy of a whole weight differs makes the
-    sums differ, and the check fails.)"""
-    wholes = []
-    for name in workers[0]:
-        parts = [w[name] for w in workers if name in w]
-        whole = parts[0] if all(p[0] == parts[0][0] for p in parts) else add_fingerprints([{0: p} for p in parts])[0]
-        wholes.append({fingerprint_group(name): whole})
-    return add_fingerprints(wholes)
+    """An engine's fingerprint from its tensor-parallel workers' fingerprints by piece: a piece held by several
+    workers (a norm's weight, a row-parallel layer's bias, the key/value heads vLLM replicates where the workers
+    outnumber them) counts once where their sums agree; copies that disagree all count, and the check fails."""
+    held = {}
+    for worker in workers:
+        for key, sums in worker.items():
+            copies = held.setdefault(key, [])
+            if sums not in copies:
+                copies.append(sums)
+    return add_fingerprints({fingerprint_group(key.rsplit("@", 1)[0]): sums} for key, copies in held.items()
+                            for sums in copies)
 
 
 def add_fingerprints(parts) -> dict:

@@ -4,6 +4,8 @@ its `weight_transfer_config` names; the weights then come through vLLM's own upd
 
 from openrlhf_async.rollout.weight_transfer import (
     checkpoint_parameters,
+    checkpoint_pieces,
+    kernel_mismatches,
     keep_cpu_expert_weights,
     keep_cpu_weights,
     register,
@@ -22,11 +24,18 @@ class WeightReceiver:
         return weight.numpy().tobytes(), list(weight.shape)
 
     def fingerprint(self, values: bool = False) -> dict:
-        """This worker's fingerprint of the weights it holds, by parameter (sync_group.fingerprint): what the
-        weight sync is checked with. The engine adds its workers' up (sync_group.workers_fingerprint)."""
-        from openrlhf_async.rollout.sync_group import fingerprint
+        """This worker's fingerprint of the weights it holds, by piece of a checkpoint weight
+        (sync_group.pieces_fingerprint): what the weight sync is checked with. The engine adds its workers' up
+        (sync_group.workers_fingerprint)."""
+        from openrlhf_async.rollout.sync_group import pieces_fingerprint
 
-        return fingerprint(checkpoint_parameters(self.model_runner.model), values=values, group=str)
+        model = self.model_runner.model
+        out = pieces_fingerprint(checkpoint_pieces(model), values=values)
+        transfer = getattr(self, "weight_transfer_engine", None)
+        # A layer whose kernel copy no longer computes with its weight counts as one that differs (in its group).
+        for name in kernel_mismatches(model, getattr(transfer, "probe_columns", None)):
+            out[f"kernel:{name}"] = [1, 0.0] if values else [1]
+        return out
 
     def record_routes(self) -> None:
         """Record the experts each token is routed to, per request (rollout/routes.py RouteRecorder)."""

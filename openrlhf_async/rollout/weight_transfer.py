@@ -89,6 +89,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         self.reloading = self.patched = False  # this update's kind, known from its first bucket
         self.targets = None  # where patches go directly (_direct_targets), found at an update's first
         self.fault = None  # a fault planted for the next update (plant_fault): the sync check must catch it
+        self.probe_columns = {}  # id(parameter) -> columns this update patched (kernel_mismatches probes them)
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         if self.group is not None:  # a group of earlier members: aborted before another is formed
@@ -118,6 +119,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         patches are written in place, outside it (vLLM's rule for sparse updates, checkpoint_weight_patch.py)."""
         self.reloading = self.patched = False
         self.targets = None  # a reload may have replaced the parameters
+        self.probe_columns = {}
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU ("Cannot access accelerator
@@ -186,6 +188,9 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             param, offset, rows = self.targets.get(name, (None, 0, 0))
             if param is not None and tuple(param.shape[1:]) == tuple(shape[1:]) and shape[0] <= rows:
                 param.data.view(-1)[indices.long() + offset] = values.to(param.dtype)
+                if param.dim() == 2 and indices.numel():
+                    columns = self.probe_columns.setdefault(id(param), set())
+                    columns.update(((indices[:PROBED_COLUMNS].long() + offset) % param.shape[1]).tolist())
             else:
                 through_loader.append(CheckpointWeightPatch(name, tuple(shape), DTYPES[dtype], values, indices))
         if through_loader:
@@ -344,6 +349,104 @@ def checkpoint_parameters(model):
             kept[f"{module_name}.w2_weight"] = layer.checkpoint_w2
     for name, p in model.named_parameters():
         yield name, kept.get(name, p)
+
+
+PROBED_COLUMNS = 4  # of a patched weight, besides its first and last: where a stale kernel copy differs
+
+
+def kernel_mismatches(model, patched_columns: dict = None) -> list:
+    """The layers whose kernel runs from a copy the engine made of the weight (vLLM-CPU packs each linear layer's
+    weight for oneDNN or its own GEMMs: layer.cpu_linear, utils.dispatch_cpu_unquantized_gemm) and no longer computes
+    with the weight the layer holds: a repack missed after an update. The fingerprint reads the parameters; this reads
+    what the kernels run. Each is probed with one-hot inputs of a few columns (the first, the last, and those this
+    update patched: patched_columns by id of the parameter), whose outputs are exactly those columns of the weight
+    (a product by 1 and sums of zeros round nothing). On a GPU no layer has a copy: its kernels read the parameters."""
+    import torch.nn.functional as F
+
+    mismatched = []
+    for name, module in model.named_modules():
+        linear, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
+        if linear is None or linear is F.linear or weight is None or weight.dim() != 2 or not weight.numel():
+            continue
+        extra = sorted((patched_columns or {}).get(id(weight), ()))
+        columns = torch.tensor(sorted({0, weight.shape[1] - 1, *extra}), device=weight.device)
+        probe = torch.zeros(len(columns), weight.shape[1], dtype=weight.dtype, device=weight.device)
+        probe[torch.arange(len(columns)), columns] = 1
+        with torch.no_grad():
+            out = linear(probe, weight, None)
+        if not torch.equal(out.float(), weight[:, columns].t().float()):
+            mismatched.append(name)
+    return mismatched
+
+
+def checkpoint_pieces(model):
+    """(checkpoint name, block of rows of a parameter [k, m], the block's first row and column in that weight) for
+    every weight this worker holds: q, k and v of qkv_proj (k and v: the key/value heads of this worker's group, which
+    vLLM replicates where the workers outnumber them: num_kv_head_replicas), gate and up of gate_up_proj, this worker's
+    rows or columns of a tensor-parallel weight, its vocabulary rows (padding left out), each expert's rows of w13
+    and w2 (vLLM-CPU: of the kept checkpoint layout); any other parameter whole, under its own name. What the sync
+    check fingerprints (sync_group.pieces_fingerprint)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed, seen = getattr(model, "packed_modules_mapping", {}) or {}, set()
+    for module_name, module in model.named_modules():
+        prefix, _, last = module_name.rpartition(".")
+        own = {kind: p for kind, p in module.named_parameters(recurse=False) if id(p) not in seen}
+        seen.update(id(p) for p in own.values())
+        parts = packed.get(last) or []
+        for kind, p in own.items():
+            name, rows = f"{module_name}.{kind}", p.data.view(p.shape[0], -1) if p.dim() else p.data.view(1, 1)
+            if isinstance(module, QKVParallelLinear) and len(parts) == 3:
+                kv = module.tp_rank // module.num_kv_head_replicas
+                sizes = (module.num_heads * module.head_size, module.num_kv_heads * module.head_size,
+                         module.num_kv_heads * module.v_head_size)
+                yield from _stacked(prefix, parts, kind, rows, sizes, (module.tp_rank, kv, kv))
+            elif isinstance(module, MergedColumnParallelLinear) and len(parts) == len(module.output_sizes):
+                sizes = [size // module.tp_size for size in module.output_sizes]
+                yield from _stacked(prefix, parts, kind, rows, sizes, [module.tp_rank] * len(sizes))
+            elif isinstance(module, ColumnParallelLinear) and not parts:
+                yield name, rows, module.tp_rank * rows.shape[0], 0
+            elif isinstance(module, RowParallelLinear) and kind == "weight":
+                yield name, rows, 0, module.tp_rank * rows.shape[1]
+            elif isinstance(module, VocabParallelEmbedding) and kind == "weight":
+                shard = module.shard_indices
+                yield name, rows[: shard.num_org_elements], shard.org_vocab_start_index, 0
+            elif kind in ("w13_weight", "w2_weight") and hasattr(module, "local_num_experts"):
+                yield from _expert_pieces(prefix if last == "routed_experts" else module_name, module, kind)
+            else:
+                yield name, rows, 0, 0
+
+
+def _stacked(prefix: str, parts: list, kind: str, rows, sizes, shards):
+    """The parts of a packed parameter stacked by rows (sizes: each part's rows here; shards: which of its shards)."""
+    first = 0
+    for part, size, shard in zip(parts, sizes, shards):
+        yield f"{prefix}.{part}.{kind}", rows[first : first + size], shard * size, 0
+        first += size
+
+
+def _expert_pieces(prefix: str, module, kind: str):
+    """Each local expert's checkpoint weights in w13 [experts, gate rows then up rows, hidden] or w2 [experts,
+    hidden, this worker's intermediate columns]."""
+    weight = getattr(module, "checkpoint_w13" if kind == "w13_weight" else "checkpoint_w2", None)
+    weight = getattr(module, kind) if weight is None else weight
+    tp_rank = getattr(getattr(getattr(module, "moe_config", None), "moe_parallel_config", None), "tp_rank", 0)
+    expert_map = getattr(module, "expert_map", None)  # global id -> local id (-1: another worker's)
+    experts = (range(weight.shape[0]) if expert_map is None else
+               [int(g) for g in (expert_map >= 0).nonzero().reshape(-1).tolist()])
+    for local, e in enumerate(experts):
+        if kind == "w13_weight":
+            size = weight.shape[1] // 2
+            yield f"{prefix}.{e}.gate_proj.weight", weight[local, :size], tp_rank * size, 0
+            yield f"{prefix}.{e}.up_proj.weight", weight[local, size:], tp_rank * size, 0
+        else:
+            yield f"{prefix}.{e}.down_proj.weight", weight[local], 0, tp_rank * weight.shape[2]
 
 
 def _direct_targets(model, tensor_parallel: int) -> dict:

@@ -49,7 +49,15 @@ class HybridWeightSync(WeightSync):
         """The engines sleep (their running requests were aborted by the controller) and the training states come
         back. An engine starting in its bundles (a replacement) finishes first: vLLM sizes its KV cache from the free
         memory as it starts, which the reloaded states would take; it sleeps with the others, waiting for its
-        weights."""
+        weights.
+
+        The states come back only once every sleep returned (or its engine was dropped): vLLM's sleep asserts that
+        its device's free memory (cudaMemGetInfo, every process's) did not fall across the call (vLLM 0.26
+        v1/worker/gpu_worker.py:192-220, no retry on CUDA), so a rank reloading GBs of states meanwhile would fail
+        it, leaving vLLM's executor awake in its own eyes with its weights in host memory (v1/executor/abstract.py
+        :318-326): an engine whose sleep failed is dropped and replaced, never woken. Nothing else on the device
+        allocates more than a sleep frees (an engine's weights and KV cache)."""
+        super().to_train()
         self._await_starting()
         if self.engine_sleep and not self.sleeping:
             sleepers = {**self.members, **self._joining()}

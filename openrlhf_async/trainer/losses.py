@@ -196,15 +196,22 @@ def token_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, k
 
 def gae(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lambd: float) -> tuple:
     """Generalised advantage estimates and returns, [B, T] each, from the critic's values and per-token rewards,
-    back to front: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambd A_{t+1}, returns = A + V. Values
-    and rewards outside the mask count as 0, as OpenRLHF's get_advantages_and_returns takes them (an observation
-    token of a multi-turn episode is a step of reward and value 0 that gamma and lambd still discount across)."""
+    back to front over the tokens the model wrote: delta_t = r_t + gamma^d V_t' - V_t, A_t = delta_t +
+    gamma^d lambd A_t', t' the next such token, d positions on. An environment's tokens between them (a tool's
+    output) are skipped, as in veRL and RAGEN: taken as steps of value 0 they would make delta_t = -V_t and cut the
+    future off by lambd^d. gamma still counts their positions (veRL's counts the model's tokens; the same at gamma 1),
+    so at lambd 1 A_t is, as before, the reward to come discounted by position minus V_t. Outside the mask both are
+    0."""
     values, rewards = values.double() * mask, rewards.double() * mask
-    advantages, running = torch.zeros_like(values), torch.zeros_like(values[:, 0])
+    model = mask.bool()
+    advantages = torch.zeros_like(values)
+    # A_t' and V_t' of the next model token, discounted to position t + 1
+    running, following = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
-        following = values[:, t + 1] if t + 1 < values.shape[1] else 0.0
-        running = rewards[:, t] + gamma * following - values[:, t] + gamma * lambd * running
-        advantages[:, t] = running
+        a = rewards[:, t] + gamma * following - values[:, t] + gamma * lambd * running
+        advantages[:, t] = torch.where(model[:, t], a, 0.0)
+        running = torch.where(model[:, t], a, gamma * running)
+        following = torch.where(model[:, t], values[:, t], gamma * following)
     return advantages, advantages + values
 
 

@@ -8,13 +8,17 @@ A vLLM engine takes --vllm.gpu_memory_utilization of each of its GPUs, whose wei
 must fit inside that share. In the hybrid engine an engine and a rank share each device, and the plan checks the peak
 of the step's three phases (trainer/hybrid.py): generation (the engine awake beside what the rank keeps), training
 (the rank's peak beside what a sleeping engine keeps) and the weight transfer (the engine's weights, what the rank
-keeps, and the model's copies it exports), each with both processes' CUDA contexts. GB here are 2^30 bytes, as torch
-and nvidia-smi count them."""
+keeps, and the model's copies it exports), each with both processes' CUDA contexts; the blocks the engine's
+reload leaves in its allocator count in the transfer and the generation after it (reload_cache_bytes). GB here are
+2^30 bytes, as torch and nvidia-smi count them."""
 
 import dataclasses
 import functools
 import os
 from dataclasses import dataclass
+
+from openrlhf_async.errors import ConfigError
+from openrlhf_async.utils.model_info import check_sizes
 
 GB = 2**30
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements (not set in deepspeed_config)
@@ -48,13 +52,17 @@ class ModelShape:
     shared_expert_size: int = 0
 
     @classmethod
-    def from_config(cls, c: dict) -> "ModelShape":
-        """From an HF config.json's fields (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and models shaped like them)."""
-        heads = c["num_attention_heads"]
+    def from_config(cls, c: dict, where: str = "config.json") -> "ModelShape":
+        """From an HF config.json's fields (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and models shaped like them),
+        each size checked (model_info.check_sizes); ConfigError naming where and the field otherwise."""
+        check_sizes(c, where)
+        heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
         experts = c.get("num_experts") or c.get("num_local_experts") or 0
         step = c.get("decoder_sparse_step") or 1
-        dense = [i for i in range(c["num_hidden_layers"]) if i in (c.get("mlp_only_layers") or []) or (i + 1) % step]
-        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+        # Dense: the layers i with (i + 1) % step != 0, and those of mlp_only_layers that are not (counted, no loop).
+        mlp_only = {i for i in c.get("mlp_only_layers") or [] if isinstance(i, int) and 0 <= i < layers}
+        dense = layers - layers // step + len({i for i in mlp_only if (i + 1) % step == 0})
+        return cls(hidden=c["hidden_size"], layers=layers, heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate=c["intermediate_size"],
                    vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
@@ -63,7 +71,7 @@ class ModelShape:
                    qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
                    experts=experts, experts_per_token=c.get("num_experts_per_tok", 0) if experts else 0,
                    expert_size=c.get("moe_intermediate_size", 0) if experts else 0,
-                   dense_layers=len(dense) if experts else 0,
+                   dense_layers=dense if experts else 0,
                    shared_expert_size=c.get("shared_expert_intermediate_size", 0) if experts else 0)
 
     def _layer_params(self, active: bool) -> float:
@@ -85,6 +93,23 @@ class ModelShape:
         if self.experts and self.dense_layers < self.layers:
             return int(dataclasses.replace(self, dense_layers=0)._layer_params(False))
         return int(self._layer_params(False))
+
+    @property
+    def largest_module_params(self) -> int:
+        """The parameters of the largest of vLLM's modules (a module's own, not its children's): the unit vLLM's
+        layerwise reload materialises at once (model_loader/reload/layerwise.py, _layerwise_process). The embedding
+        or head (its vocabulary padded to 64, as VocabParallelEmbedding does), q/k/v packed in qkv_proj, o_proj, gate
+        and up packed in gate_up_proj, down_proj, and in a mixture of experts the fused-experts module that holds
+        every expert's w13 and w2, the shared expert's gate_up_proj and the router."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sizes = [-(-self.vocab // 64) * 64 * self.hidden, self.hidden * (q + 2 * kv) + (q + 2 * kv) * self.qkv_bias,
+                 q * self.hidden]
+        if not self.experts or self.dense_layers:
+            sizes += [2 * self.hidden * self.intermediate]
+        if self.experts:
+            sizes += [3 * self.experts * self.hidden * self.expert_size, 2 * self.hidden * self.shared_expert_size,
+                      self.experts * self.hidden]
+        return int(max(sizes))
 
     @property
     def mlp_width(self) -> int:
@@ -287,18 +312,33 @@ def hybrid_bytes(m: ModelShape, rank: dict, engine: dict, s: Setup) -> dict:
     offload_states; not under --ds.adam_offload, where they already live on the host). A sleeping engine (level 1)
     keeps its CUDA-graph pool; an engine that does not sleep keeps its whole share. Both processes keep their CUDA
     context (PROCESS_RESIDUAL) in every phase. During the transfer each rank holds the copies it exports by CUDA IPC
-    (ipc_copies_bytes)."""
+    (ipc_copies_bytes), and the engine the blocks its layerwise reload materialised (reload_cache_bytes), which stay
+    in its caching allocator through the generation that follows, and for good where it never sleeps."""
     offloaded = s.trainer_sleep and not s.adam_offload
     kept = rank["weights"] + rank["reference"] + s.colocated_kept + (
         0 if offloaded else rank["gradients"] + rank["optimizer"] + rank["buffers"])
     awake = engine["total"] or 0
     asleep = graph_pool_bytes(s)
     contexts = 2 * PROCESS_RESIDUAL
-    phases = {"generate": awake + kept + contexts,
-              "train": rank["total"] + (asleep if s.engine_sleep else awake) + contexts,
+    reloaded = reload_cache_bytes(m, s)
+    phases = {"generate": awake + kept + reloaded + contexts,
+              "train": rank["total"] + (asleep if s.engine_sleep else awake + reloaded) + contexts,
               "transfer": (engine["weights"] + asleep if s.engine_sleep else awake) + kept + ipc_copies_bytes(m, s)
-              + contexts}
+              + reloaded + contexts}
     return {**phases, "peak": max(phases.values())}
+
+
+def reload_cache_bytes(m: ModelShape, s: Setup) -> int:
+    """What an engine's weight update leaves in its process's caching allocator (vLLM 0.26, read for a GPU and not
+    yet measured on one): the layerwise reload turns each module's parameters into meta tensors and, once a module's
+    weights have all arrived, materialises them (model_loader/reload/meta.py materialize_layer: torch.empty_strided
+    in the device context, outside the sleep allocator's "weights" pool, which only the model's load runs under:
+    v1/worker/gpu_worker.py load_model), loads and copies them into the kept parameters and drops them
+    (layerwise.py _layerwise_process). One module at a time, so the cache holds about the largest module's shard;
+    nothing empties it until the engine's next sleep (device_allocator/cumem.py CuMemAllocator.sleep:
+    torch.cuda.empty_cache), so it sits beside the KV cache the engine wakes after the transfer, outside the share
+    vLLM sized that cache in."""
+    return int(s.dtype_bytes * -(-m.largest_module_params // s.tensor_parallel))
 
 
 def ipc_copies_bytes(m: ModelShape, s: Setup) -> int:
@@ -421,7 +461,9 @@ def model_shape(model):
     from openrlhf_async.utils.model_info import model_config
 
     try:
-        return ModelShape.from_config(model_config(model))
+        return ModelShape.from_config(model_config(model), f"{model or 'the embedded tiny model'}: config.json")
+    except ConfigError:  # a size out of range
+        raise
     except (OSError, KeyError, TypeError, ValueError):  # offline hub, a config without the shape's fields
         return None
 
@@ -502,8 +544,6 @@ def _largest_part(cfg, p: dict) -> str:
 
 def for_config(cfg):
     """The run's plan (None where the model's shape cannot be read); raises ConfigError where it cannot fit."""
-    from openrlhf_async.config import ConfigError
-
     shape = model_shape(cfg.actor.model_name_or_path)
     if shape is None:
         return None

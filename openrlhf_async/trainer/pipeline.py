@@ -324,8 +324,8 @@ class TrainingActor:
         return items
 
     def _catch_up(self) -> None:
-        """While waiting for a batch: engines that joined the fleet (replacements, growth) get the current weights
-        now, so they take work before the next sync."""
+        """While waiting for a batch: engines that joined the fleet (replacements, growth) get the last sync's
+        weights now, if the policy still holds them (WeightSync.catch_up), so they take work before the next sync."""
         with self.timeline.span("sync"):
             self.weight_sync.catch_up()
 
@@ -393,7 +393,7 @@ class TrainingActor:
         samples = [experience.training_sample(ep, 0.0) for ep in parts]  # episodes of one segment each
         with self.timeline.span("critic"):
             values = self.critic.values(samples)
-        samples = self.policy.with_reference(samples, temperature, self.kl.value)
+        samples = self.policy.with_reference(samples, temperature, self.kl.value, self.cfg.rollout.top_p)
         olds = self.policy.logprobs(samples, temperature, top_p=self.cfg.rollout.top_p)
         samples, kl = experience.gae_samples(samples, part_rewards, values, olds, self.cfg.algo, self.kl.value,
                                              self.cfg.reward.clip_range)

@@ -93,7 +93,9 @@ class PolicyActor(DeepSpeedRank):
         """[B, T] log-probs (and entropies) of one forward pass over samples, laid out as layout says (packing,
         chunk: see batching_settings); top_p < 1: of the rollout's nucleus distribution."""
         inputs = Layout.of(samples, layout["packing"]).to(self._device())
-        if self.replay is not None:  # the policy's own forward (not the reference's), rows whole on this rank
+        # The policy's own forward (not the reference's), rows whole on this rank: a row split across a
+        # sequence-parallel group gets no routes (replay with one is refused at start, config/checks.py).
+        if self.replay is not None:
             config = self.engine.module.config
             routes = None if model is self.reference or self.sequence is not None else layout_routes(
                 samples, inputs.ids.shape[1], layout["packing"], config.num_hidden_layers, config.num_experts_per_tok)
@@ -165,7 +167,7 @@ class PolicyActor(DeepSpeedRank):
                  top_p: float = 1.0) -> list:
         """Each sample's log-probs at its response positions (observations too) under the current weights, or the
         reference model's; per micro batch, a list per sample. Every rank runs as many micro batches (ZeRO-3).
-        top_p < 1: the policy's of the rollout's nucleus distribution (the reference's stay whole)."""
+        top_p < 1: of the nucleus distribution (the policy's the rollout sampled from; the reference's its own)."""
         model = self.reference if reference and not self.lora else self.engine
         adapter_off = self.engine.module.disable_adapter() if reference and self.lora else contextlib.nullcontext()
         with self.timeline.span("train"), adapter_off:

@@ -192,13 +192,14 @@ class PolicyGroup(RankGroup):
         rollout's nucleus distribution."""
         return self._per_sample(samples, "logprobs", temperature, self.batching, reference, top_p)
 
-    def with_reference(self, samples: list, temperature: float, kl_coef: float) -> list:
+    def with_reference(self, samples: list, temperature: float, kl_coef: float, top_p: float = 1.0) -> list:
         """The samples with the reference model's log-probs ("ref_logprobs") where the KL has a coefficient, computed
         before the updates as OpenRLHF's experience maker does (a pass per training micro batch would run a different
-        number of ZeRO-3 gathers per rank)."""
+        number of ZeRO-3 gathers per rank). top_p < 1: of the reference's own nucleus, as the policy's are of its
+        own: against the whole distribution a policy equal to its reference would show a KL of -log(nucleus mass)."""
         if kl_coef <= 0 or all("ref_logprobs" in s for s in samples):
             return samples
-        refs = self.logprobs(samples, temperature, reference=True)
+        refs = self.logprobs(samples, temperature, reference=True, top_p=top_p)
         return [{**s, "ref_logprobs": ref} for s, ref in zip(samples, refs)]
 
     def train_batch(self, samples: list, micro_batch_size: int, loss_cfg: dict, mini_batch_size: int, epochs: int,
@@ -210,7 +211,7 @@ class PolicyGroup(RankGroup):
         means over the updates, and their count."""
         per_epoch = -(-len(samples) // mini_batch_size)
         updates = epochs * per_epoch
-        samples = self.with_reference(samples, loss_cfg["temperature"], loss_cfg["kl"]["coef"])
+        samples = self.with_reference(samples, loss_cfg["temperature"], loss_cfg["kl"]["coef"], loss_cfg["top_p"])
         if loss_cfg["proximal"] == "rollout":
             samples = [{**s, "old_logprobs": s["logprobs"]} for s in samples]
         elif updates > 1 and not all("old_logprobs" in s for s in samples):  # gae's come with them
@@ -224,7 +225,7 @@ class PolicyGroup(RankGroup):
     def train_step(self, samples: list, micro_batch_size: int, loss_cfg: dict) -> dict:
         """One optimizer step on the batch (see _train_on_ranks); returns the step's loss figures (means over the
         batch's tokens)."""
-        samples = self.with_reference(samples, loss_cfg["temperature"], loss_cfg["kl"]["coef"])
+        samples = self.with_reference(samples, loss_cfg["temperature"], loss_cfg["kl"]["coef"], loss_cfg["top_p"])
         results, totals = self._train_on_ranks(samples, micro_batch_size, loss_cfg)
         total = {key: sum(r[key] for r in results) for key in results[0]}
         tokens = totals["tokens"]

@@ -21,8 +21,9 @@ def train(cfg, model_path: str, train_rows: list, eval_rows: list, resume=None) 
 
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=not cfg.data.disable_fast_tokenizer)
-    train_prompts = tokenize_prompts(tokenizer, train_rows, cfg.data.apply_chat_template, cfg.data.input_template)
-    eval_prompts = tokenize_prompts(tokenizer, eval_rows, cfg.data.apply_chat_template, cfg.data.input_template)
+    encoding = cfg.data.apply_chat_template, cfg.data.input_template, cfg.data.parse_special_tokens
+    train_prompts = tokenize_prompts(tokenizer, train_rows, *encoding, where="--data.prompt_dataset")
+    eval_prompts = tokenize_prompts(tokenizer, eval_rows, *encoding, where="--eval.dataset")
     from openrlhf_async.data.prompts import skip_unfit_prompts
 
     # Prompts too long for a response are skipped and counted (all of them: a one-line error); the training ones

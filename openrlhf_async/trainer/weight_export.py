@@ -338,7 +338,9 @@ class WeightExport:
         the merged weights it sent."""
         if self.lora:
             return self.fingerprint
-        return fingerprint(((name, part, offset) for name, (offset, part) in self._owned().items()), values=values)
+        shapes = {source.name: source.shape() for source in self.sources}
+        return fingerprint(((name, part, offset, shapes[name]) for name, (offset, part) in self._owned().items()),
+                           values=values)
 
     def sync_figures(self) -> tuple:
         """The last sync's (elements sent, bytes broadcast: rank 0's; elements of this rank's parts changed since the

@@ -55,6 +55,7 @@ class WeightSync:
         self.grouped = None  # the engine ids of the group formed last
         self.version = 0
         self.engine_version = 0  # the version every engine in the group holds
+        self.trained = False  # the policy took a step since the last sync: it holds no version's weights
         self.engines_dropped = 0  # engines left out of a sync, dead or hung
         self.drain_frozen = 0  # requests frozen when a drain reached --vllm.sync_drain_timeout
         self.broadcasts_failed = 0  # broadcasts that did not complete everywhere, made again to the engines left
@@ -95,7 +96,7 @@ class WeightSync:
             self.check_engines(members, version)
         if not members and self.fleet is None:
             raise RuntimeError("every vLLM engine died: no engine is left to generate with")
-        self.version, self.members = version, members
+        self.version, self.members, self.trained = version, members, False
         if members:
             self.engine_version = version
         if self.fleet is not None:
@@ -103,17 +104,20 @@ class WeightSync:
         return time.perf_counter() - start
 
     def catch_up(self) -> int:
-        """Give the fleet's joining engines (replacements, growth) the current weights and version now, so they take
-        work before the next sync; returns how many joined. For the trainer's idle moments."""
+        """Give the fleet's joining engines (replacements, growth) the last sync's weights and version now, so they
+        take work before the next sync; returns how many joined. For the trainer's idle moments, while the policy
+        is still the last sync's: after a step that did not sync (--train.trigger_parameter_sync_step > 1) its
+        weights are no version's, and tagged with the last sync's their tokens would count staler than they are;
+        the next sync takes those engines in."""
         import ray
 
-        if self.fleet is None:
+        if self.fleet is None or self.trained:
             return 0
         joining = ray.get(self.fleet.joining.remote())
         if not joining:
             return 0
         joined = self._broadcast(joining, self.version, "keep")
-        self.holding = set()  # the others hold the last sync's weights, the joined ones the current: no baseline
+        self.holding = set()  # this broadcast counted the changed share anew (none): the next sync sends all
         if joined:
             self.verify(joined, self.version)
         if self.check and joined:
@@ -124,7 +128,7 @@ class WeightSync:
 
     def verify(self, members: dict, version: int) -> None:
         """Each engine's fingerprint of the weights it holds (sync_group.fingerprint) against the trainer's, the ranks'
-        parts added up, and each engine's version against the new one. Exact (64-bit words summed with wrap-around,
+        parts added up, and each engine's version against the new one. Exact (position-weighted sums modulo 2^64,
         in any order: the tolerance is zero), one pass over the weights on each side, both sides at once; a
         difference stops the run with one line naming the engine, the version and the size of the difference
         (SyncCheckFailed)."""
@@ -206,8 +210,9 @@ class WeightSync:
                 + "): the engines do not run the trained weights")
 
     def to_train(self) -> None:
-        """Before a step trains: nothing here (the engines have devices of their own); the hybrid engine's engines
-        sleep (trainer/hybrid.py)."""
+        """Before a step trains: the policy leaves the last sync's weights (the engines have devices of their own);
+        the hybrid engine's engines sleep too (trainer/hybrid.py)."""
+        self.trained = True
 
     def to_generate(self) -> None:
         """After a step that does not sync: nothing here; the hybrid engine's engines wake."""

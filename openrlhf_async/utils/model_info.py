@@ -3,12 +3,41 @@ file, a GGUF file's context length (from its metadata), the embedded tiny model'
 and converting a GGUF file are models/'s (tiny.py, gguf.py), which read these too."""
 
 import functools
+import json
 import os
 
 TINY_MAX_POSITIONS = 256  # the embedded tiny model's max_position_embeddings (models/tiny.py builds it)
 # Shipped models --actor.model_name_or_path takes by name (models/tiny.py): the tiny mixture of experts.
 EMBEDDED_MODELS = ("tiny-qwen3-moe",)
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "embedded")
+
+
+# The most a model's config.json may declare of each size; the largest published models stay far below (Llama 3.1
+# 405B: hidden 16384, 126 layers, 128 heads, MLP 53248; DeepSeek-V3: 256 experts; Gemma 3: 262144 tokens). A size
+# past it is a broken or hostile config, which the memory plan and transformers' config classes (a list per layer)
+# would otherwise take as is.
+SIZE_MAX = {"hidden_size": 1 << 17, "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12,
+            "num_key_value_heads": 1 << 12, "head_dim": 1 << 14, "intermediate_size": 1 << 20, "vocab_size": 1 << 24,
+            "num_experts": 1 << 14, "num_local_experts": 1 << 14,
+            "n_routed_experts": 1 << 14, "num_experts_per_tok": 1 << 14, "moe_intermediate_size": 1 << 20,
+            "shared_expert_intermediate_size": 1 << 20, "decoder_sparse_step": 1 << 12}
+# Sizes every decoder has above 0; the others may be 0 (unset: a default, or none of that part).
+POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def check_sizes(config, where: str) -> None:
+    """ConfigError naming where and the field for a declared size (SIZE_MAX) that is no whole number from 1 (0 for
+    an optional one) to its bound; a multimodal config's text_config too. A missing size is left to the reader."""
+    from openrlhf_async.errors import ConfigError
+
+    text = config.get("text_config") if isinstance(config, dict) else None
+    for part in [c for c in (config, text) if isinstance(c, dict)]:
+        for field, most in SIZE_MAX.items():
+            value, least = part.get(field), 1 if field in POSITIVE else 0
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not least <= value <= most):
+                raise ConfigError(f"{where}: {field} {json.dumps(value)[:40]} is no size from {least} to {most:,}; "
+                                  "give the model's own config.json")
 
 
 def is_embedded(model: str) -> bool:
@@ -61,7 +90,9 @@ def model_config(model) -> dict:
         from openrlhf_async.utils.json_text import loads
 
         with open(os.path.join(model, "config.json"), "rb") as f:
-            return loads(f.read(), f"{model}: config.json")
+            config = loads(f.read(), f"{model}: config.json")
+        check_sizes(config, f"{model}: config.json")
+        return config
     from transformers import AutoConfig
 
     if is_gguf(model):

@@ -34,10 +34,32 @@ def folders(cfg) -> list:
     return found
 
 
+# The operating system's folders: a run writing there (as root, or where they are writable) would replace the
+# system's files with its own (config.json, model files). /var/tmp is anyone's.
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys", "/usr",
+               "/var")
+ANYONES_DIRS = ("/var/tmp",)
+
+
+def system_dir(folder: str):
+    """The system folder (SYSTEM_DIRS, or / itself) that folder is or lies in, links resolved; None when none."""
+    path = os.path.realpath(folder)
+    if path == "/":
+        return path
+    if any(path == d or path.startswith(d + "/") for d in ANYONES_DIRS):
+        return None
+    return next((d for d in SYSTEM_DIRS if path == d or path.startswith(d + "/")), None)
+
+
 def check_folders(cfg) -> None:
-    """Every folder the run writes can be created and written; ConfigError naming the flag otherwise. Leaves
-    nothing behind (a dry run writes nothing): what it creates to test, it removes."""
+    """Every folder the run writes can be created and written, and lies in no system folder unless
+    --allow_system_dirs says so; ConfigError naming the flag otherwise. Leaves nothing behind (a dry run writes
+    nothing): what it creates to test, it removes."""
     for flag, folder in folders(cfg):
+        system = None if cfg.allow_system_dirs else system_dir(folder)
+        if system:
+            raise ConfigError(f"{flag} {folder}: lies in the system folder {system}, whose files the run's would "
+                              "replace; choose a folder of your own, or pass --allow_system_dirs if you mean it")
         problem = _write_problem(folder)
         if problem:
             which = f"--run_name: the run folder {folder}" if flag == "--run_name" else f"{flag} {folder}"
