@@ -60,3 +60,20 @@ def test_a_config_built_in_code_is_held_to_the_same_choices():
     cfg.algo.dynamic_filtering_rule = "median"
     with pytest.raises(ConfigError, match=r"^--algo.dynamic_filtering_rule 'median': use mean_range or std$"):
         checks._validate_settings(cfg)
+
+
+@pytest.mark.parametrize("mode,extra,said", [
+    ("fully_async", [], True), ("async", [], True), ("sync", [], False),
+    ("fully_async", ["--algo.advantage.is_correction_level", "token"], False),
+    ("async", ["--actor.proximal_policy", "rollout"], False)])
+def test_asynchrony_without_a_correction_says_what_stale_tokens_get(capsys, mode, extra, said):
+    """OpenRLHF's defaults train stale tokens uncorrected (the PPO ratio 1 against the recomputed policy): the run
+    says so in one line, and names the flag that corrects them; a user's own correction stays theirs."""
+    from openrlhf_async.config import validate
+
+    validate(parse_config(["--mode", mode, *extra]))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "as if fresh" in line]
+    assert len(lines) == int(said), lines
+    if said:
+        assert lines[0].startswith(f"notice: --mode {mode} trains samples of older weights as if fresh")
+        assert "--algo.advantage.is_correction_level token" in lines[0]

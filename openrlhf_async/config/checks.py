@@ -526,6 +526,10 @@ def _validate_pipeline(cfg: Config) -> None:
     if cfg.mode == "async" and 0 <= t.max_staleness < cfg.queue_size:
         raise ConfigError(f"--train.max_staleness {t.max_staleness} is below --train.async_queue_size "
                           f"{cfg.queue_size}: batches the queue holds would be too stale; raise one or lower the other")
+    if cfg.mode != "sync" and cfg.algo.is_correction_level == "off" and cfg.actor.proximal_policy == "recompute":
+        notice(f"--mode {cfg.mode} trains samples of older weights as if fresh: with --algo.advantage."
+               "is_correction_level off and --actor.proximal_policy recompute their PPO ratio is 1; "
+               "--algo.advantage.is_correction_level token weights each token by pi / pi_rollout (the presets do)")
     c = cfg.ckpt
     if c.save_steps > 0 and c.save_steps % t.trigger_parameter_sync_step:
         raise ConfigError(f"--ckpt.save_steps {c.save_steps} must be a multiple of --train.trigger_parameter_sync_step "
