@@ -11,6 +11,10 @@ running after the last batch are aborted and their tokens counted as waste, a on
 leaves out, as a long training run would). Since carried groups are not lost,
 ours keeps all of --vllm_generate_batch_size groups in flight, which keeps the engines' batches full; ours_abort
 starts what the valid rate says is needed, plus --admission_margin (default 0, the trainer's default).
+`ours_unbiased_*` is ours_abort with the unbiased early stop (--rollout.unbiased_early_stop): a batch is the first
+`target` valid groups in start order, so it waits for long groups started early; the groups started beyond its cut
+give their prompts back to the next batch, and their tokens (rollout/tokens_overrun) count as generated here.
+`unbiased_cost` is its time per batch against ours_abort's (first to finish), less one.
 
 Workload (the same prompt stream for every method): per-request length budgets from a lognormal (median 48
 tokens, sigma 1.0, capped at 512) with EOS ignored, and per-prompt pass rates chosen so that about 40% of groups
@@ -173,6 +177,7 @@ def main(argv=None) -> int:
         "baseline": dict(rollout=dict(early_stop=False, vllm_generate_batch_size=args.target)),
         "baseline_dapo3x": dict(rollout=dict(early_stop=False, vllm_generate_batch_size=wave_dapo), wave_size=wave_dapo),
         "ours_abort": dict(rollout=dict(early_stop=True), skip=skip),
+        "ours_unbiased": dict(rollout=dict(early_stop=True, unbiased_early_stop=True), skip=skip),
         "ours": dict(rollout=carrying, carry_over=True, skip=skip),
         "ours_screen": dict(rollout=dict(carrying, screen_samples=args.screen_samples), carry_over=True, skip=skip),
     }
@@ -212,6 +217,9 @@ def main(argv=None) -> int:
             end = {"remaining": batches - 1 - batch} if knows_end else {}
             groups, m = controller.run(next_prompt, target, **end)
             assert len(groups) == target
+            # What ran beyond an unbiased batch's cut is counted apart (its prompts go back): it was generated.
+            m["rollout/tokens_generated"] += m.get("rollout/tokens_overrun", 0)
+            m["rollout/groups_aborted"] += m.get("rollout/groups_overrun", 0)
             m["prompts_skipped"] = len(sampler.take_skipped()) if sampler else 0
             m["end_pool_tokens"], m["close_s"] = 0, 0.0
             if batch == batches - 1:  # what is still running will never be used
@@ -261,6 +269,8 @@ def main(argv=None) -> int:
             out[f"token_saving_steady{suffix}"] = round(1 - out[f"{name}_tokens_steady"] / out[f"{base}_tokens"], 3)
     for name in methods:
         out[f"wasted_fraction_{name}"] = round(wasted(name), 3)
+    if "ours_unbiased" in methods and "ours_abort" in methods:
+        out["unbiased_cost"] = round(out["ours_unbiased_s"] / out["ours_abort_s"] - 1, 3)
     if skip and "ours" in methods:
         out["prompts_skipped_ours"] = round(per_batch("ours", "prompts_skipped"), 1)
     out.update(target=args.target, n=args.n, engines=args.engines, batches=args.batches,

@@ -5,7 +5,9 @@ and takes the events: a group admitted, a group finished, an engine died. When t
 rule, chosen once per controller from the config:
 - EarlyStop: the first `target` groups to finish valid; only as many groups run as are expected to yield them.
 - UnbiasedEarlyStop: the first `target` valid groups in start order, so long groups started early are waited
-  for rather than passed over for quicker ones.
+  for rather than passed over for quicker ones. Without carry over, the groups started after its cut give their
+  prompts back (give_back): the next batch starts them first, so each batch is the same prefix of the prompt stream
+  however the groups' timing went, and its counters are the prefix's (what ran beyond it: groups_overrun).
 - Waves (no early stop, the usual dynamic sampling): a whole wave of prompts is generated and waited for, then
   filtered, and another wave starts until enough groups are valid.
 
@@ -69,6 +71,7 @@ class StartedGroup:
     episodes: Optional[list] = None
     valid: Optional[bool] = None
     flat: bool = False  # its scores all equal (or screened as such)
+    given_back: bool = False  # started beyond an unbiased cut: its prompt restarts from scratch in the next batch
 
 
 def group_tokens(episodes: list) -> int:
@@ -90,7 +93,8 @@ class RolloutBatch:
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.first_error = {}  # failure family ("agent", "reward") -> its first error message
         self.failure = None  # the error the batch stops on
-        self.carried_in = len(carried)
+        self.carried_in = sum(1 for r in carried if not r.given_back)  # prompts given back were not carried
+        self.cut = None  # set by give_back: the start index of the batch's last group
         for record in carried:
             record.index = len(self.records)
             self.records.append(record)
@@ -190,7 +194,8 @@ class RolloutBatch:
         if action == "stop" or (action == "partial" and not valid):
             return None
         if action == "fill":  # whole groups only (screening refuses fill): the trainer takes n samples a group
-            fill = [r for r in self.finished if not r.valid and len(r.episodes) == self.n][: self.target - len(valid)]
+            fill = [r for r in self.records if r.state is State.FINISHED and not r.valid  # start order: no timing
+                    and len(r.episodes) == self.n][: self.target - len(valid)]
             self.stats["flat_filled"] += len(fill)
             valid += fill
         return valid
@@ -236,6 +241,26 @@ class RolloutBatch:
         self.pending.clear()
         return carried
 
+    def give_back(self) -> list:
+        """Unbiased early stop without carry over, once the batch is complete (or starved): the groups started after
+        its cut, in start order, as fresh records for the next batch to start first (their seeds kept). What they
+        ran is dropped (aborted, or finished with weights about to change), so how many ran, which depends on the
+        valid rate seen along the way and so on timing, decides neither where the next batch starts in the stream
+        nor this batch's counters (metrics() counts the prefix alone, and the overrun apart)."""
+        cut = self.stop.cut(self)
+        if cut is None:  # starved: every group started is used up, as with the other rules
+            self.drop_reroutes()
+            return []
+        self.cut, self.reroute = cut, []
+        return [StartedGroup(r.prompt, seed=r.seed, state=State.REROUTE, given_back=True)
+                for r in self.records[cut + 1:]]
+
+    def settled(self) -> list:
+        """The finished groups whose outcome counts, in start order: those inside the cut once give_back has cut the
+        batch, else every finished one."""
+        records = self.records if self.cut is None else self.records[: self.cut + 1]
+        return [r for r in records if r.state is State.FINISHED]
+
     def drop_reroutes(self) -> None:
         self.stats["aborted"] += len(self.reroute)
 
@@ -256,13 +281,38 @@ class RolloutBatch:
         batch's worth of episodes. (Groups that all come out flat are no error: the batch starves, see starved().)"""
         return self.too_many_failures(min_episodes=self.target * self.n)
 
+    def _prefix_stats(self) -> tuple:
+        """The counters and first errors of the groups inside the cut alone (all finished), in start order."""
+        inside = self.records[: self.cut + 1]
+        stats, first_error = dict.fromkeys(COUNTERS, 0), {}
+        stats["started"] = stats["finished"] = len(inside)
+        for r in inside:
+            for ep in r.episodes:
+                stats["episodes"] += 1
+                stats["tokens"] += sum(ep.action_mask)
+                if ep.error:
+                    family, counter = ERROR_KINDS[ep.error[0]]
+                    stats[counter] += 1
+                    first_error.setdefault(family, ep.error[1])
+            if len(r.episodes) < self.n:
+                stats["screened"] += 1
+                stats["tokens_screened"] += group_tokens(r.episodes)
+        for key in ("rerouted", "starved", "flat_filled"):
+            stats[key] = self.stats[key]
+        return stats, first_error, inside
+
     def metrics(self, chosen: list, carried_out: int, engine_failures: int, loads: list) -> dict:
-        stats, accepted_tokens = self.stats, sum(group_tokens(r.episodes) for r in chosen)
+        stats, first_error, judged = self.stats, self.first_error, self.finished
+        overrun = overrun_tokens = 0
+        if self.cut is not None:  # cut by give_back: the prefix's figures, which do not depend on timing
+            stats, first_error, judged = self._prefix_stats()
+            overrun, overrun_tokens = len(self.records) - len(judged), self.stats["tokens"] - stats["tokens"]
+        accepted_tokens = sum(group_tokens(r.episodes) for r in chosen)
         metrics = {
             "rollout/groups_started": stats["started"],
             "rollout/groups_finished": stats["finished"],
             "rollout/groups_accepted": len(chosen),
-            "rollout/groups_filtered": sum(1 for r in self.records if r.valid is False),  # screened ones too
+            "rollout/groups_filtered": sum(1 for r in judged if r.valid is False),  # screened ones too
             "rollout/groups_screened": stats["screened"],
             "rollout/groups_aborted": stats["aborted"],
             "rollout/groups_carried_in": self.carried_in,
@@ -274,7 +324,11 @@ class RolloutBatch:
             "rollout/wasted_fraction": 1 - accepted_tokens / max(1, stats["tokens"]),
             # What the policy scores on the prompts it was given; reward/mean is the filtered batch's (DAPO's filter
             # keeps groups whose scores vary: about 0.5 however good the policy is).
-            "rollout/score_all_mean": mean_score(self.finished),
+            "rollout/score_all_mean": mean_score(judged),
+            # Unbiased early stop without carry over: groups started beyond the cut (their prompts given back to
+            # the next batch) and the tokens they generated. How many depends on timing; 0 with the other rules.
+            "rollout/groups_overrun": overrun,
+            "rollout/tokens_overrun": overrun_tokens,
             "rollout/time_to_batch_s": time.perf_counter() - self.start_time,
             "rollout/engine_load_max": max(loads),
             "rollout/engine_load_min": min(loads),
@@ -291,7 +345,7 @@ class RolloutBatch:
             # history): each trains as several samples (rollout/endpoint.py)
             "rollout/episodes_segmented": sum(1 for r in chosen for ep in r.episodes if ep.segments),
         }
-        for family, message in self.first_error.items():
+        for family, message in first_error.items():
             metrics[f"rollout/{family}_first_error"] = message
         return metrics
 

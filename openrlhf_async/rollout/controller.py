@@ -131,6 +131,11 @@ class RolloutController:
         self.stop_rule = stop_rule(rollout.early_stop, rollout.unbiased_early_stop, rollout.admission_margin,
                                    wave_size)
         self.carry_over = carry_over and rollout.early_stop
+        # Unbiased early stop without carry over: a batch is the prefix of the start order up to its cut; groups
+        # started beyond it give their prompts back to the next batch, and only the prefix's outcomes are taken
+        # (on_group, the valid rate, the score range), in start order, once the batch is complete. Then neither the
+        # batch, nor where the next one starts, nor what the run learns about its prompts depends on timing.
+        self.gives_back = rollout.early_stop and rollout.unbiased_early_stop and not self.carry_over
         self.carried = []  # groups started for an earlier batch and not used yet
         self.overlong = (cfg.reward.overlong_buffer_len or 0, cfg.reward.overlong_penalty_factor)
         self.error_ratios = {"agent": cfg.agent.max_error_ratio, "reward": cfg.reward.max_error_ratio}
@@ -231,14 +236,20 @@ class RolloutController:
         finally:
             if self.carry_over and chosen is not None and batch.failure is None:
                 self.carried = batch.carry_out(chosen)
+            elif self.gives_back and chosen is not None and batch.failure is None:
+                self.carried = batch.give_back()  # their prompts come first in the next batch
             else:
                 batch.drop_reroutes()
             await self._abort(dict(batch.pending), batch.pending, batch.stats)
         if batch.failure is not None:
             raise batch.failure
+        if self.gives_back:
+            for record in batch.settled():
+                self._settle(record)
         if chosen is None and not starved:
             raise RuntimeError("rollout ended without enough valid groups")
-        metrics = batch.metrics(chosen or [], len(self.carried), len(self.balancer.dead) - dead_before,
+        carried_out = sum(1 for r in self.carried if not r.given_back)
+        metrics = batch.metrics(chosen or [], carried_out, len(self.balancer.dead) - dead_before,
                                 self.balancer.mean_loads())
         failure = batch.too_many_failures()
         if failure is not None:
@@ -314,14 +325,20 @@ class RolloutController:
                 batch.fail(e)
             return
         shape_rewards(group, record.budget, *self.overlong)
+        batch.group_finished(record, group)
+        if not self.gives_back:  # else once the batch is complete, for the groups inside its cut
+            self._settle(record)
+
+    def _settle(self, record: StartedGroup) -> None:
+        """Take a finished group's outcome into the controller's life: the score range, the valid rate, on_group."""
+        group = record.episodes
         scores = [ep.score for ep in group] + list(self.score_range or ())
         self.score_range = (min(scores), max(scores)) if scores else None
         self.answers += len(group)
         self.answers_empty += sum(1 for ep in group if _empty(ep))
-        flat = batch.group_finished(record, group)
         self.groups_finished, self.groups_valid = self.groups_finished + 1, self.groups_valid + record.valid
         if self.on_group is not None:
-            self.on_group(record.prompt, flat)
+            self.on_group(record.prompt, record.flat)
 
     def never_varied(self) -> Optional[str]:
         """What to tell a user whose run has never seen two scores differ (None when they have): nothing is learned,

@@ -61,6 +61,7 @@ class MetricsLog:
             _open_record(os.path.join(run_dir, name), resume_step)
             for name in ("metrics.jsonl", "used_prompts.jsonl", "timeline.jsonl", "samples.jsonl"))
         self.samples = samples
+        self.started = time.monotonic()  # timing/elapsed_s: a step's place in wall-clock time (time to accuracy)
         self.last_step = resume_step or 0  # the newest step in the records: what a stopped run had trained
         self.bar = None
         if progress:
@@ -99,6 +100,7 @@ class MetricsLog:
         step = metrics.get("step")
         if step is not None:
             self.last_step = max(self.last_step, step)
+        metrics.setdefault("timing/elapsed_s", round(time.monotonic() - self.started, 3))
         used, spans, episodes = metrics.pop("_used", None), metrics.pop("_spans", ()), metrics.pop("_samples", {})
         if used is not None:
             self.used_file.write(json.dumps({"step": step, **used}) + "\n")
