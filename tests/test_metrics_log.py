@@ -65,7 +65,7 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     log_steps(log)
 
     expected = numeric_series(read_jsonl(run_dir))
-    assert "agent/first_error" not in expected and len(expected) == 6
+    assert "agent/first_error" not in expected and "timing/elapsed_s" in expected and len(expected) == 7
     events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == sorted(expected)

@@ -309,7 +309,7 @@ def loss_settings(cfg, **overrides) -> dict:
         "proximal": a.proximal_policy, "clip": a.clip_range, "dual_clip": a.dual_clip, "loss_type": a.policy_loss_type, "agg": a.loss_agg_mode,
         "entropy_coef": a.entropy_coef, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
         "correction": {"level": algo.is_correction_level, "mode": algo.is_correction_mode,
-                       "gating": algo.is_correction_gating, "threshold": tuple(algo.is_correction_threshold)},
+                       "gating": algo.is_correction_gating, "threshold": tuple(algo.is_correction_threshold or ())},
         "kl": {"coef": algo.kl_init_coef, "use_loss": algo.kl_use_loss, "estimator": algo.kl_estimator,
                "unbiased_gradient": algo.kl_unbiased_gradient},
     }
