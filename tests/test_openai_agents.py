@@ -279,9 +279,10 @@ def test_the_endpoint_serves_only_the_runs_own_agents(tool_engine, tool_model, t
         assert len(keys) == 2 and all(len(k) >= 24 for k in keys)
         answers = []
         injected = {"model": "policy", "prompt": "OUTSIDER~INJECTED~1+1=", "max_tokens": 4}
+        near_miss = keys[0][:-1] + ("y" if keys[0].endswith("x") else "x")  # one character off, never the key itself
         # Guessing keys as they were once made (g<k>-<i>), and probing with a refused setting, which an open episode
         # once answered with 400 and a closed one with 404.
-        for guess in [f"g{k}-{i}" for k in range(5) for i in range(2)] + ["g0", "policy", keys[0][:-1] + "x"]:
+        for guess in [f"g{k}-{i}" for k in range(5) for i in range(2)] + ["g0", "policy", near_miss]:
             for body in (injected, {**injected, "temperature": 0.01}):
                 answers.append(httpx.post(f"{root}/episodes/{guess}/v1/completions", json=body))
                 answers.append(httpx.post(f"{url}/completions", json={**body, "openrlhf_episode": guess}))
