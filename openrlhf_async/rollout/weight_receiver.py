@@ -29,8 +29,12 @@ class WeightReceiver:
         (sync_group.workers_fingerprint)."""
         from openrlhf_async.rollout.sync_group import pieces_fingerprint
 
-        model = self.model_runner.model
-        out = pieces_fingerprint(checkpoint_pieces(model), values=values)
+        model, dtype = self.model_runner.model, self.model_config.dtype
+        # In the model's dtype, as the trainer sends: vLLM-CPU's AMX kernels (sgl-kernel's weight_packed_linear) keep
+        # a linear layer's bias in fp32, widened exactly from the bf16 the checkpoint and the sync gave it.
+        pieces = ((name, block.to(dtype) if block.is_floating_point() else block, row, col)
+                  for name, block, row, col in checkpoint_pieces(model))
+        out = pieces_fingerprint(pieces, values=values)
         transfer = getattr(self, "weight_transfer_engine", None)
         # A layer whose kernel copy no longer computes with its weight counts as one that differs (in its group).
         for name in kernel_mismatches(model, getattr(transfer, "probe_columns", None)):
