@@ -16,7 +16,7 @@ Two layouts:
   from the sync runs (each phase's busy time alone: the generation wait and the training and sync time of a step,
   (Tg + Tt) / max(Tg, Tt)), and the speed-up is reported as a share of it.
 
---quick: the tiny model on the built-in task (the demo's preset), 40 steps, 3 seeds: within 25 minutes on 2 cores.
+--quick: the tiny model on the built-in task (the demo's preset), 20 steps, 3 seeds: within 25 minutes on 2 cores.
 Without it: 100 steps. Draws time_to_accuracy.png (accuracy against wall clock, a band per mode) and ends with one
 JSON line."""
 
@@ -154,16 +154,16 @@ def draw(results: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="40 steps of the tiny model on the built-in task")
-    ap.add_argument("--steps", type=int, default=None, help="default: 40 with --quick, else 100")
-    ap.add_argument("--eval_steps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="20 steps of the tiny model on the built-in task")
+    ap.add_argument("--steps", type=int, default=None, help="default: 20 with --quick, else 100")
+    ap.add_argument("--eval_steps", type=int, default=5)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--layouts", default="separate,shared")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "time_to_accuracy"), help="where the picture goes")
     ap.add_argument("--flags", default="", help="more CLI flags for every run (a method under test)")
     args = ap.parse_args(argv)
-    steps = args.steps or (40 if args.quick else 100)
+    steps = args.steps or (20 if args.quick else 100)
     seeds, modes = [int(s) for s in args.seeds.split(",")], args.modes.split(",")
     if "sync" not in modes:
         ap.error("--modes: sync is the baseline every other mode is measured against")

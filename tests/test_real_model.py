@@ -22,7 +22,7 @@ def real_stack(ray_cluster, smollm2):
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     # Adam's first step moves every weight by about the learning rate: 3e-5 is seen in the synced weights and
-    # leaves the model a chat model (at the tiny preset's 3e-4 it rambles on without ending its turns).
+    # leaves the model a chat model (at 3e-4 it rambles on without ending its turns).
     cfg = preset_config("--actor.model_name_or_path", smollm2, "--data.max_len", "512", "--vllm.num_engines", "1",
                         "--actor.adam.lr", "3e-5")
     engines = create_engines(cfg, smollm2)
