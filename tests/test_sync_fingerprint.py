@@ -31,8 +31,13 @@ class Model(torch.nn.Module):
 
 def engine_fingerprint(models) -> dict:
     """The engine's fingerprint as rollout/engine.py forms it: each worker's, combined."""
-    return workers_fingerprint([WeightReceiver.fingerprint(SimpleNamespace(model_runner=SimpleNamespace(model=m)))
-                                for m in models])
+    return workers_fingerprint([WeightReceiver.fingerprint(worker(m)) for m in models])
+
+
+def worker(model, **extra) -> SimpleNamespace:
+    """What WeightReceiver's methods read of a vLLM worker: its model runner's model and the model's dtype."""
+    return SimpleNamespace(model_runner=SimpleNamespace(model=model), model_config=SimpleNamespace(dtype=torch.bfloat16),
+                           **extra)
 
 
 def qkv_workers(q, k, v, tp: int) -> list:
@@ -137,8 +142,7 @@ def test_a_kernel_that_still_runs_the_old_weights_is_caught_though_the_parameter
     assert kernel_mismatches(model) == [], "columns 0 and 127 alone do not see the patch"
     patched = {id(layer.weight): {17}}
     assert kernel_mismatches(model, patched) == ["proj"]
-    receiver = SimpleNamespace(model_runner=SimpleNamespace(model=model),
-                               weight_transfer_engine=SimpleNamespace(probe_columns=patched))
+    receiver = worker(model, weight_transfer_engine=SimpleNamespace(probe_columns=patched))
     assert WeightReceiver.fingerprint(receiver)["kernel:proj"] == [1]
     utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)  # packed again, as _prepare_patched does
     assert kernel_mismatches(model, patched) == []
