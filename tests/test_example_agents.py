@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import action_ranges, tokenized_prompts, unfinished
+from conftest import action_ranges, assert_model_logprobs, tokenized_prompts, unfinished
 from openrlhf_async.agent import load_agent
 from openrlhf_async.config import config_with
 from openrlhf_async.reward.math_verify_reward import math_score
@@ -199,7 +199,7 @@ def test_openrlhf_executor_file_runs_on_the_engines(engines, stack_cfg, prompts,
 
 
 def test_tool_agent_sandbox_runs_inside_the_engine_in_a_two_turn_episode(engines, stack_cfg, prompts, tokenizer,
-                                                                          tmp_path):
+                                                                          tmp_path, tiny_model_path):
     # The tiny model writes no code, so a wrapper runs a block on its behalf on the first turn, with the tool
     # agent's own sandbox call and observation format, then hands the second turn to the tool agent's step.
     wrapper = tmp_path / "tool_wrapper.py"
@@ -240,9 +240,7 @@ async def step(state, action, label):
                                        add_special_tokens=False)
         assert ep.response_ids[a1:b0] == observation
         assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
-        # A near-certain token's log-prob may be exactly 0.0 in fp32: none above, and not all of them.
-        assert all(lp == 0.0 for lp in ep.logprobs[a1:b0]) and all(lp <= 0 for lp in ep.logprobs[b0:b1])
-        assert any(lp < 0 for lp in ep.logprobs[a0:a1] + ep.logprobs[b0:b1])
+        assert_model_logprobs(tiny_model_path, ep)  # both turns' the model's own, the tool output's 0
 
 
 # As OpenRLHF's OpenAI-server executor does: its uvicorn app, started by the first episode, runs in a thread with an
@@ -271,16 +269,16 @@ class AgentExecutor(AgentExecutorBase):
 """
 
 def test_an_executor_calling_the_engine_from_a_thread_of_its_own_runs_on_the_engines(engines, stack_cfg, prompts,
-                                                                                       tmp_path):
+                                                                                       tmp_path, tiny_model_path):
     path = tmp_path / "threaded_executor.py"
     path.write_text(THREADED_EXECUTOR)
     for ep in [e for g in _rollout(engines, stack_cfg, prompts, str(path)) for e in g]:
         assert ep.turns == 1 and ep.score == 1.0 and ep.action_mask == [1] * len(ep.response_ids)
-        assert all(lp <= 0 for lp in ep.logprobs) and any(lp < 0 for lp in ep.logprobs)  # vLLM's, not zeros
+        assert_model_logprobs(tiny_model_path, ep)  # the executor's, from vLLM: the model's own
 
 
 def test_the_openai_api_example_agent_asks_again_and_trains_on_both_replies_as_sampled(engines, stack_cfg, prompts,
-                                                                                       tokenizer):
+                                                                                       tokenizer, tiny_model_path):
     from openrlhf_async.models.tiny import ASSISTANT, USER
 
     labels = {tuple(p["prompt_ids"]): p["label"] for p in prompts}
@@ -295,6 +293,6 @@ def test_the_openai_api_example_agent_asks_again_and_trains_on_both_replies_as_s
             assert between[0] == tokenizer.eos_token_id
             between = between[1:]
         assert between == reminder and all(lp == 0.0 for lp in ep.logprobs[a1:b0])
-        assert all(lp < 0 for lp in ep.logprobs[b0:b1]) or b1 == b0
+        assert_model_logprobs(tiny_model_path, ep)  # both replies as sampled, the reminder's 0
         answer = tokenizer.decode(ep.response_ids[b0:b1], skip_special_tokens=True)
         assert ep.score == math_score(answer, labels[tuple(ep.prompt_ids)])["score"]

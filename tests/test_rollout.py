@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import ray
 
-from conftest import action_ranges, tokenized_prompts, unfinished
+from conftest import action_ranges, assert_model_logprobs, tokenized_prompts, unfinished
 from openrlhf_async.config import config_with
 from openrlhf_async.rollout.controller import RolloutController
 
@@ -116,10 +116,7 @@ def test_multi_turn_feedback_is_masked_and_model_tokens_keep_their_logprobs(engi
         assert ep.response_ids[a1:b0] == feedback, "the observation was not appended as a user turn"
         assert ep.action_mask == [1] * a1 + [0] * (b0 - a1) + [1] * (b1 - b0)
         assert all(lp == 0.0 for lp in ep.logprobs[a1:b0])
-        model_logprobs = ep.logprobs[a0:a1] + ep.logprobs[b0:b1]
-        # vLLM's log-probs, none above 0 (a near-certain token's may be exactly 0.0 in fp32), and not all 0.
-        assert len(model_logprobs) == a1 + b1 - b0 and all(lp <= 0 for lp in model_logprobs)
-        assert any(lp < 0 for lp in model_logprobs)
+        assert_model_logprobs(tiny_model_path, ep)  # both turns' vLLM's of the model, the feedback's 0
         # Token in, token out: the agent saw the decoded turns, and the second turn continued the exact tokens.
         first_action = tokenizer.decode(ep.response_ids[a0:a1], skip_special_tokens=True)
         assert ep.extra_info["state"].endswith(first_action + " [obs] ")

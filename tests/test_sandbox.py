@@ -129,6 +129,27 @@ def test_output_is_truncated():
     assert flood["timed_out"] and flood["truncated"] and len(flood["stdout"]) == 100
 
 
+@pytest.mark.parametrize("form", ["blocking", "async", "command"])
+def test_the_timeout_counts_from_the_codes_start_not_the_sandboxes(monkeypatch, tmp_path, form):
+    """A start slower than the timeout (a loaded machine's bwrap and interpreter: here 3 s of sleep before them)
+    takes none of the code's 1 s; a start past START_BOUND_S is a timeout, the code never run."""
+    wrap = sandbox.RunCgroup.wrap
+    monkeypatch.setattr(sandbox.RunCgroup, "wrap",
+                        lambda self, command: ["/bin/sh", "-c", 'sleep 3 && exec "$@"', "sh", *wrap(self, command)])
+
+    def run():
+        if form == "blocking":
+            return run_python("print('ran')", timeout=1.0)
+        if form == "async":
+            return asyncio.run(run_python_async("print('ran')", timeout=1.0))
+        return asyncio.run(sandbox.run_command_async(["python3", "-c", "print('ran')"], str(tmp_path), timeout=1.0))
+
+    assert run() == {"stdout": "ran\n", "stderr": "", "exit_code": 0, "timed_out": False, "truncated": False}
+    monkeypatch.setattr(sandbox, "START_BOUND_S", 1.0)
+    stuck = run()
+    assert stuck["timed_out"] and stuck["stdout"] == "" and stuck["exit_code"] != 0
+
+
 def test_the_async_form_does_not_block_the_event_loop():
     async def main():
         ticks = 0

@@ -25,6 +25,11 @@ def test_a_seeded_request_samples_the_same_tokens_on_any_engine_in_any_company(e
     assert ray.get(crowded)["response_ids"] == alone[0]["response_ids"]
     # Other seeds sample other answers: the seed is used, not ignored.
     assert len({tuple(o["response_ids"]) for o in others}) > 30
+    # Requests without a seed are not given one seed: eight of the same prompt do not all sample the same 24 tokens.
+    # Two may (past its end token the tiny model can be near-certain: two matched once in a combined run); eight
+    # match only with that chance to the 7th power, or when every request gets the same seed.
+    unseeded = ray.get([engines[0].generate.remote(_prompt(1), SAMPLED, f"free-{k}") for k in range(8)])
+    assert len({tuple(o["response_ids"]) for o in unseeded}) > 1
 
 
 def test_seeded_requests_whose_prompts_overflow_an_engine_step_keep_the_engine_alive(engines):

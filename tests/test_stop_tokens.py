@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from conftest import ByteTokenizer, action_ranges, tokenized_prompts, user_file
+from conftest import ByteTokenizer, action_ranges, assert_model_logprobs, tokenized_prompts, user_file
 from openrlhf_async.agent import load_agent
 from openrlhf_async.config import ConfigError, config_with, preset_config, validate
 from openrlhf_async.rollout.controller import RolloutController, turn_sampling
@@ -44,18 +44,13 @@ def _episodes(engines, cfg, prompts, target: int = 2) -> list:
     return episodes
 
 
-def _logprobs_of_sampled_tokens(logprobs: list) -> bool:
-    """Log-probs, none above 0 (a near-certain token's may be exactly 0.0 in fp32)."""
-    return all(lp <= 0 for lp in logprobs)
-
-
 def _ends_at_its_first_digit(tokens: list, digit_ids: set) -> bool:
     return tokens[-1] in digit_ids and not digit_ids & set(tokens[:-1])
 
 
 @pytest.mark.parametrize("flag", ["stop", "stop_token_ids"])
 def test_a_stop_flag_ends_every_turn_there_and_keeps_the_sampled_tokens(engines, stack_cfg, prompts, tokenizer,
-                                                                        digit_ids, flag):
+                                                                        digit_ids, flag, tiny_model_path):
     value = tuple(DIGITS) if flag == "stop" else tuple(sorted(digit_ids))
     cfg = config_with(stack_cfg, rollout={flag: value, "n_samples_per_prompt": 2},
                       algo={"dynamic_filtering_enable": False})
@@ -64,12 +59,11 @@ def test_a_stop_flag_ends_every_turn_there_and_keeps_the_sampled_tokens(engines,
         # Without the flag the greedy answer runs on past its first digit to the end token ("46<|endoftext|>").
         assert ep.finish_reason == "stop" and _ends_at_its_first_digit(ep.response_ids, digit_ids), (
             tokenizer.decode(ep.response_ids))
-        assert len(ep.logprobs) == len(ep.response_ids) and _logprobs_of_sampled_tokens(ep.logprobs)
-    assert any(lp < 0 for ep in episodes for lp in ep.logprobs), "vLLM's log-probs were all left at 0"
+        assert_model_logprobs(tiny_model_path, ep)  # the tokens sampled up to the stop, each its own log-prob
 
 
 def test_an_agents_stop_strings_end_its_next_turn_and_not_the_one_before(engines, stack_cfg, prompts, tokenizer,
-                                                                          digit_ids, tmp_path):
+                                                                          digit_ids, tmp_path, tiny_model_path):
     agent = user_file(tmp_path, "stop_next_turn.py", """
         async def step(state, action, label):
             if state.count("=") > 1:  # the second turn, which answered the question below
@@ -88,8 +82,7 @@ def test_an_agents_stop_strings_end_its_next_turn_and_not_the_one_before(engines
         assert first[-1] == tokenizer.eos_token_id and digit_ids & set(first[:-1]), tokenizer.decode(first)
         # ... and the second ends at its first digit.
         assert ep.finish_reason == "stop" and _ends_at_its_first_digit(second, digit_ids), tokenizer.decode(second)
-        assert len(ep.logprobs) == len(ep.response_ids) and _logprobs_of_sampled_tokens(ep.logprobs[b0:b1])
-    assert any(lp < 0 for ep in episodes for lp in ep.logprobs), "vLLM's log-probs were all left at 0"
+        assert_model_logprobs(tiny_model_path, ep)
 
 
 class _Generate:

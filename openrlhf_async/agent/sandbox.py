@@ -16,7 +16,9 @@ the code may run arbitrary native code (ctypes, a shell) and is still held by th
 - resource limits set before any of its code runs (RLIMIT_AS memory, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC
   counted inside its own user namespace, no core files), which unprivileged code cannot raise again;
 - a wall-clock timeout in the parent that kills bwrap, and with it (`--die-with-parent`, the PID namespace) every
-  process the code started; output read in bounded chunks.
+  process the code started; output read in bounded chunks. The timeout counts from the moment the code starts (the
+  sandbox says so on a pipe of its own), so a loaded machine's slow start of bwrap and the interpreter takes none
+  of the code's time; the start itself is bounded apart (START_BOUND_S, a timeout too).
 
 An audit hook in the interpreter (refusing sockets, processes, ctypes calls and writes outside the working dir)
 stays as an extra layer that turns most attempts into a clear PermissionError; it is not relied on.
@@ -59,6 +61,7 @@ UID = 65534  # the code's uid inside its user namespace: "nobody", not root
 ROOT_ENGINE_UIDS = (100_000, 4096)  # an engine run by root runs each sandbox as a host uid from this range
 _READ_CHUNK = 65536
 _DRAIN_AFTER_KILL = 2.0  # seconds to collect the output left in the pipes after a kill
+START_BOUND_S = 60.0  # seconds bwrap and the interpreter may take to reach the code: past it, stuck, not slow
 
 
 class SandboxUnavailable(RuntimeError):
@@ -66,7 +69,8 @@ class SandboxUnavailable(RuntimeError):
 
 
 # The program the sandboxed interpreter runs: argv = root, memory bytes, cpu seconds, disk bytes, nproc (0: no
-# limit), open descriptors, audit (install the hook; off only in the tests that show the OS layer holds alone).
+# limit), open descriptors, audit (install the hook; off only in the tests that show the OS layer holds alone), the
+# descriptor on which it says that the code starts (the parent's timeout counts from there).
 PREAMBLE = r'''
 import os, sys
 
@@ -197,7 +201,7 @@ def _make_hook(root, fspath=os.fspath, getcwd=os.getcwd, stat=os.stat, lstat=os.
 
 
 def _main():
-    root, memory, cpu, disk, nproc, nofile, audit = sys.argv[1:8]
+    root, memory, cpu, disk, nproc, nofile, audit, started = sys.argv[1:9]
     memory, cpu, disk, nproc, nofile, audit = int(memory), int(cpu), int(disk), int(nproc), int(nofile), audit == "1"
     import atexit, builtins, traceback, types
 
@@ -216,6 +220,8 @@ def _main():
         _posixsubprocess.fork_exec = fork_exec
         sys.addaudithook(_make_hook(os.path.realpath(root)))
     status = 0
+    os.write(int(started), b"1")
+    os.close(int(started))
     try:
         exec(compile(source, "main.py", "exec"), main.__dict__)
     except SystemExit as e:
@@ -374,14 +380,15 @@ def _bwrap_command(fds: list, disk_bytes: int, workdir: str = None, env: dict = 
     return [shutil.which("bwrap") or "bwrap", "--args", str(options_fd), "--", *drop]
 
 
-def _bwrap_launch(bwrap, cgroup, options: dict) -> tuple:
-    """_launch's result for the bwrap command that bwrap(fds) builds, appending the descriptors it passes to fds;
-    if building it fails, they and the cgroup are closed."""
+def _bwrap_launch(bwrap, cgroup, options: dict, started_w: int) -> tuple:
+    """_launch's result for the bwrap command that bwrap(fds) builds, appending the descriptors it passes to fds
+    (started_w, the code's start pipe, among them); if building it fails, they, the pipe and the cgroup are
+    closed."""
     fds = []
     try:
         command = bwrap(fds)
     except BaseException:
-        for fd in fds:
+        for fd in {*fds, started_w, options["started_fd"]}:
             os.close(fd)
         cgroup.close()
         raise
@@ -396,29 +403,44 @@ def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -
     # start_new_session: one process group holds the launcher, so one kill ends it (and bwrap takes the rest).
     options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
+    started_r, started_w = os.pipe()
+    options["started_fd"] = started_r
     if mode == "bwrap":
         def bwrap(fds: list) -> list:
             code_fd = os.memfd_create("sandbox-code")  # bwrap copies it into the tmpfs: nothing is written on the host
             fds.append(code_fd)
             os.write(code_fd, code.encode("utf-8", "surrogatepass"))
             os.lseek(code_fd, 0, os.SEEK_SET)
-            fds.append(seccomp_fd())
+            fds += [seccomp_fd(), started_w]
             return _bwrap_command(fds, WORKDIR_MB << 20) + python + [ROOT, *limits, str(NPROC), str(NOFILE),
-                                                                    str(int(audit))]
+                                                                    str(int(audit)), str(started_w)]
 
-        return _bwrap_launch(bwrap, cgroup, options)
+        return _bwrap_launch(bwrap, cgroup, options, started_w)
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(code)
     # RLIMIT_NPROC counts every process of the user outside a user namespace: no small number is safe there.
-    command = python + [os.path.realpath(workdir), *limits, "0", str(NOFILE), str(int(audit))]
-    return workdir, cgroup, cgroup.wrap(command), {**options, "env": _env(workdir), "cwd": workdir}
+    command = python + [os.path.realpath(workdir), *limits, "0", str(NOFILE), str(int(audit)), str(started_w)]
+    return workdir, cgroup, cgroup.wrap(command), {**options, "env": _env(workdir), "cwd": workdir,
+                                                   "pass_fds": (started_w,)}
+
+
+def _spawned(options: dict) -> dict:
+    """Popen's arguments of _launch's options; call _passed once the sandbox is spawned."""
+    return {k: v for k, v in options.items() if k != "started_fd"}
+
+
+def _passed(options: dict) -> None:
+    """Close this side's copies of the descriptors the sandbox was given (its start pipe's end among them, so that
+    the pipe ends with the sandbox)."""
+    for fd in options.pop("pass_fds", ()):
+        os.close(fd)
 
 
 def _cleanup(workdir, cgroup, options) -> bool:
     """Release what the run held; True when the kernel killed it at its cgroup's memory limit."""
-    for fd in options.get("pass_fds", ()):
-        os.close(fd)
+    _passed(options)
+    os.close(options["started_fd"])
     if workdir is not None:
         shutil.rmtree(workdir, ignore_errors=True)
     return cgroup.close()
@@ -468,31 +490,37 @@ def _run_blocking(code: str, timeout: float, memory_mb: int, max_output: int, mo
     workdir, cgroup, command, options = _launch(code, timeout, memory_mb, mode, audit)
     proc = None
     try:
-        proc = subprocess.Popen(command, **options)
+        proc = subprocess.Popen(command, **_spawned(options))
+        _passed(options)
         out, err = _Output(4 * max_output), _Output(4 * max_output)  # bytes: max_output characters of UTF-8
+        started = options["started_fd"]
         pipes = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
         with selectors.DefaultSelector() as selector:
-            for fd in pipes:
+            for fd in (*pipes, started):
                 selector.register(fd, selectors.EVENT_READ)
+            ends = [time.monotonic() + START_BOUND_S]  # until the code starts; then its timeout from there
 
             def read_until(deadline):
-                while selector.get_map() and time.monotonic() < deadline:
-                    for key, _ in selector.select(max(0.0, deadline - time.monotonic())):
+                while selector.get_map() and time.monotonic() < deadline():
+                    for key, _ in selector.select(max(0.0, deadline() - time.monotonic())):
                         data = os.read(key.fd, _READ_CHUNK)
-                        if data:
+                        if key.fd == started:  # the code starts (or the sandbox ended before it could)
+                            selector.unregister(started)
+                            ends[0] = time.monotonic() + timeout
+                        elif data:
                             pipes[key.fd].add(data)
                         else:
                             selector.unregister(key.fd)
 
-            deadline = time.monotonic() + timeout
-            read_until(deadline)
+            read_until(lambda: ends[0])
             timed_out = False
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
+                proc.wait(max(0.0, ends[0] - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc.pid)
-                read_until(time.monotonic() + _DRAIN_AFTER_KILL)  # what it wrote before the kill
+                drained = time.monotonic() + _DRAIN_AFTER_KILL
+                read_until(lambda: drained)  # what it wrote before the kill
                 proc.wait()
     finally:
         if proc is not None:
@@ -520,13 +548,24 @@ async def _run(code: str, timeout: float, memory_mb: int, max_output: int, mode:
 async def _supervise(workdir, cgroup, command: list, options: dict, timeout: float, memory_mb: int, max_output: int,
                      mode: str) -> dict:
     """Run a launched sandbox to its end or its timeout on the running loop, then release what _launch held."""
-    proc = None
+    proc, loop, started = None, asyncio.get_running_loop(), options["started_fd"]
     try:
-        proc = await asyncio.create_subprocess_exec(*command, **options)
+        proc = await asyncio.create_subprocess_exec(*command, **_spawned(options))
+        _passed(options)
         out, err = _Output(4 * max_output), _Output(4 * max_output)
         done = asyncio.ensure_future(asyncio.gather(_read(proc.stdout, out), _read(proc.stderr, err), proc.wait()))
+        begun = loop.create_future()  # the code starts (or the sandbox ended before it could)
+
+        def on_start():
+            loop.remove_reader(started)
+            if not begun.done():
+                begun.set_result(None)
+        loop.add_reader(started, on_start)
         timed_out = False
         try:
+            await asyncio.wait({begun, done}, timeout=START_BOUND_S, return_when=asyncio.FIRST_COMPLETED)
+            if not begun.done() and not done.done():
+                raise asyncio.TimeoutError
             await asyncio.wait_for(asyncio.shield(done), timeout)
         except asyncio.TimeoutError:
             timed_out = True
@@ -539,6 +578,7 @@ async def _supervise(workdir, cgroup, command: list, options: dict, timeout: flo
             _kill_group(proc.pid)
             await proc.wait()
     finally:
+        loop.remove_reader(started)
         if proc is not None and proc.returncode is None:  # cancelled by the caller (a step timeout)
             _kill_group(proc.pid)
             try:
@@ -551,12 +591,13 @@ async def _supervise(workdir, cgroup, command: list, options: dict, timeout: flo
     return _result(out, err, _exit_code(proc.returncode, mode), timed_out, max_output, memory_mb, out_of_memory)
 
 
-# Sets the limits, then becomes the command (argv: memory bytes, cpu seconds, disk bytes, nproc, open descriptors,
-# then the command): run_command_async's counterpart of PREAMBLE.
+# Sets the limits, says on its start pipe that the command starts, then becomes the command (argv: memory bytes, cpu
+# seconds, disk bytes, nproc, open descriptors, the start pipe, then the command): run_command_async's counterpart
+# of PREAMBLE.
 LAUNCHER = r'''
 import os, resource, sys
 
-memory, cpu, disk, nproc, nofile = (int(a) for a in sys.argv[1:6])
+memory, cpu, disk, nproc, nofile, started = (int(a) for a in sys.argv[1:7])
 limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, disk), (resource.RLIMIT_CORE, 0),
           (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_MSGQUEUE, 0)]
 if nproc:  # counted per user: only inside the sandbox's own user namespace is a small number safe
@@ -565,10 +606,12 @@ for which, value in limits:
     resource.setrlimit(which, (value, value))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 os.umask(0)  # a root engine runs each command as another uid: what one leaves, the next may change
+os.write(started, b"1")  # the parent's timeout counts from here
+os.close(started)
 try:
-    os.execvp(sys.argv[6], sys.argv[6:])
+    os.execvp(sys.argv[7], sys.argv[7:])
 except OSError as e:
-    sys.stderr.write(f"sandbox: cannot run {sys.argv[6]!r}: {e.strerror}\n")
+    sys.stderr.write(f"sandbox: cannot run {sys.argv[7]!r}: {e.strerror}\n")
     os._exit(127)
 '''
 
@@ -581,16 +624,19 @@ def _launch_command(argv: list, workdir: str, env: dict, timeout: float, memory_
     launcher = [sys.executable, "-I", "-B", "-c", LAUNCHER]
     options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
+    started_r, started_w = os.pipe()
+    options["started_fd"] = started_r
     if mode != "bwrap":  # RLIMIT_NPROC outside a user namespace counts the user's every process: none is safe
-        command = cgroup.wrap(launcher + [*limits, "0", str(NOFILE), *argv])
-        return None, cgroup, command, {**options, "env": {**_env(workdir), **env}, "cwd": workdir}
+        command = cgroup.wrap(launcher + [*limits, "0", str(NOFILE), str(started_w), *argv])
+        return None, cgroup, command, {**options, "env": {**_env(workdir), **env}, "cwd": workdir,
+                                       "pass_fds": (started_w,)}
 
     def bwrap(fds: list) -> list:
-        fds.append(seccomp_fd())
+        fds += [seccomp_fd(), started_w]
         return _bwrap_command(fds, WORKDIR_MB << 20, workdir, env) + launcher + [*limits, str(NPROC), str(NOFILE),
-                                                                               *argv]
+                                                                               str(started_w), *argv]
 
-    return _bwrap_launch(bwrap, cgroup, options)
+    return _bwrap_launch(bwrap, cgroup, options, started_w)
 
 
 _probe_lock = threading.Lock()

@@ -147,6 +147,7 @@ class RolloutController:
         self.groups_finished = self.groups_valid = 0  # over the controller's life: the valid rate of later batches
         self.score_range = None  # (lowest, highest) score seen over its life: what a flat group's score means
         self.answers = self.answers_empty = 0  # episodes finished over its life, and those the model left empty
+        self.reward_failures, self.first_reward_failure = 0, None  # episodes scored 0 because the reward failed
 
     @property
     def dead_engines(self) -> set:
@@ -336,6 +337,9 @@ class RolloutController:
         self.score_range = (min(scores), max(scores)) if scores else None
         self.answers += len(group)
         self.answers_empty += sum(1 for ep in group if _empty(ep))
+        failed = [ep.error[1] for ep in group if ep.error and ep.error[0] in ("reward_error", "reward_timeout")]
+        self.reward_failures += len(failed)
+        self.first_reward_failure = self.first_reward_failure or (failed[0] if failed else None)
         self.groups_finished, self.groups_valid = self.groups_finished + 1, self.groups_valid + record.valid
         if self.on_group is not None:
             self.on_group(record.prompt, record.flat)
@@ -348,6 +352,10 @@ class RolloutController:
         what = (f"all {self.answers} answers were empty (the model wrote only its end token)"
                 if self.answers and self.answers_empty == self.answers else
                 f"all {self.answers} samples scored {self.score_range[0]:g}")
+        if self.reward_failures:
+            return (f"the scores have never varied in this run: {what}, {self.reward_failures} of them because the "
+                    f"reward failed (first: {self.first_reward_failure[:300]}), so nothing is learned; fix the reward "
+                    "(--reward.max_error_ratio below 1 stops a run whose rewards fail this often)")
         return (f"the scores have never varied in this run: {what}, so every advantage, loss and gradient is 0 and "
                 "nothing is learned; check the prompt template (--data.apply_chat_template, --data.input_template), "
                 "the labels (--data.label_key) and the reward")
