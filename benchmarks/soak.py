@@ -9,15 +9,15 @@ fault waits until the run has made two steps since the last one. Every fault is 
 it and finishes all its steps; the prompts it trained on are read back from used_prompts.jsonl.
 
     python benchmarks/soak.py            # 15 minutes of faults (about 20 in all, with the baseline)
-    python benchmarks/soak.py --quick    # a few faults, within 8 minutes
+    python benchmarks/soak.py --quick    # a few faults, about 11 minutes in all
 
 The reward is the label's digits in the response, so scores vary and every fault meets a trainer that learns: the
-run's mean score over its last 10 steps is given beside the same for the run without faults and for its own first 5
-steps (the warm model before it learned), and the samples whose reward failed.
+run's held-out greedy accuracy before and after training is given beside the run without faults' after its (fewer)
+steps, with the samples whose reward failed.
 
 Ends with one JSON line: faults_injected, faults_survived, steps_done, steps_planned, prompts_duplicated,
 prompts_skipped, leftover_processes, throughput_ratio (steps per minute under faults over the run without),
-score_first5, score_last10, baseline_score_last10, reward_failures."""
+eval_start, eval_end, baseline_eval_end, reward_failures."""
 
 import argparse
 import json
@@ -96,8 +96,7 @@ def run_argv(model: str, out: str, name: str, steps: int, agent: str, reward_url
             "--vllm.num_engines", "2", "--vllm.cpus_per_engine", "1", "--vllm.max_engine_restarts", "100",
             "--vllm.sync_timeout", "30", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
             "--train.batch_size", "16", "--rollout.vllm_generate_batch_size", "8", "--train.max_steps", str(steps),
-            "--eval.steps", "-1", "--ckpt.save_steps", "2", "--ckpt.max_auto_resumes", "100",
-            "--no-algo.dynamic_filtering_enable",  # every step trains on what came, faults or not
+            "--eval.steps", str(steps), "--ckpt.save_steps", "2", "--ckpt.max_auto_resumes", "100",  # held out: start, end
             "--train.agent_func_path", agent, "--agent.step_timeout", "2", "--agent.max_error_ratio", "1.0",
             "--reward.remote_url", reward_url, "--reward.timeout", "5", "--reward.max_error_ratio", "1.0",
             "--runs_dir", os.path.join(out, "runs"), "--run_name", name, "--no-progress"]
@@ -139,12 +138,9 @@ def latest(records: list) -> list:
     return [r for _, r in sorted({r["step"]: r for r in records if "step" in r}.items())]
 
 
-def step_scores(records: list) -> list:
-    return [r["reward/mean"] for r in latest(records) if "reward/mean" in r]
-
-
-def mean(values: list):
-    return round(sum(values) / len(values), 3) if values else None
+def held_out(records: list) -> list:
+    """The held-out accuracies, in step order (step 0: before training)."""
+    return [round(r["eval/accuracy"], 3) for r in latest([r for r in records if "eval/accuracy" in r])]
 
 
 def inject(kind: str, cluster, reward: RewardService, flag: str) -> str:
@@ -175,7 +171,7 @@ def inject(kind: str, cluster, reward: RewardService, flag: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few faults, within 8 minutes")
+    parser.add_argument("--quick", action="store_true", help="a few faults, about 11 minutes in all")
     parser.add_argument("--minutes", type=float, default=None, help="the faulted run's length (default 15; quick 3)")
     parser.add_argument("--interval", type=float, default=None, help="seconds between faults (default 60; quick 25)")
     parser.add_argument("--baseline_steps", type=int, default=None, help="steps of the run without faults "
@@ -254,7 +250,7 @@ def main() -> int:
             used = [json.loads(line) for line in f]
         positions = sorted(p for u in used for p in u["positions"])  # in the prompt stream (epoch after epoch)
         last = records[-1] if records else {}
-        scores, baseline_scores = step_scores(records), step_scores(read_steps(baseline.run_dir))
+        evals, baseline_evals = held_out(records), held_out(read_steps(baseline.run_dir))
         result = {
             "faults_injected": len(faults),
             "faults_survived": sum(bool(f["survived"]) and code == 0 for f in faults),
@@ -271,9 +267,9 @@ def main() -> int:
             "steps_per_min_baseline": round(rate, 2),
             "throughput_ratio": round(run.steps_per_minute() / rate, 3) if rate else None,
             "faulted_run_minutes": round((max(run.seen.values()) - min(run.seen.values())) / 60, 1),
-            "score_first5": mean(scores[:5]),
-            "score_last10": mean(scores[-10:]),
-            "baseline_score_last10": mean(baseline_scores[-10:]),
+            "eval_start": evals[0] if evals else None,
+            "eval_end": evals[-1] if len(evals) > 1 else None,
+            "baseline_eval_end": baseline_evals[-1] if len(baseline_evals) > 1 else None,
             "reward_failures": sum(r.get("rollout/reward_errors", 0) + r.get("rollout/reward_timeouts", 0)
                                    for r in latest(records)),
         }

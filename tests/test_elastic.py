@@ -350,7 +350,9 @@ def test_a_drain_past_its_bound_freezes_the_running_requests_which_go_on_with_th
     not aborted and no engine killed; after the sync they finish, their later tokens tagged with the new version."""
     from test_weight_sync import _prompt_ids
 
-    sync = short_sync("--vllm.sync_drain_timeout", "0.5")
+    # A bound of 10 ms: the 64 requests an engine runs started together and half have begun, so most of their 220
+    # tokens are still to go when it is reached, on a fast machine too (at 0.5 s a GPU could finish them first).
+    sync = short_sync("--vllm.sync_drain_timeout", "0.01")
     old = sync.version
     refs = _long_requests(engines, _prompt_ids(tiny_model_path, 1)[0], 64, 220, "bounded-drain")
     sync.sync("wait")

@@ -195,8 +195,10 @@ def test_a_replacement_engine_waits_for_its_gpu_to_be_released_before_vllm_check
         return next(readings)
 
     assert wait_for_device_memory(0.9, timeout_s=5, poll_s=0.01, free_total=free_total) > 0 and len(calls) == 3
-    waited = wait_for_device_memory(0.9, timeout_s=0.05, poll_s=0.01, free_total=lambda: (10, 100))
-    assert 0.05 <= waited < 1
+    now = [0.0]  # a clock of its own, moved by each poll's sleep: the bound is reached at the poll past 0.05 s
+    waited = wait_for_device_memory(0.9, timeout_s=0.05, poll_s=0.01, free_total=lambda: (10, 100),
+                                    clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert 0.05 <= waited < 0.05 + 0.01 + 1e-9
     assert wait_for_device_memory(0.9) == 0.0  # no GPU here: no wait
 
 

@@ -153,17 +153,27 @@ def test_the_depth_scan_ignores_brackets_inside_strings():
 
 # 4. On cpu, a memory plan past the machine's memory is refused.
 
-def test_a_memory_plan_past_the_machines_memory_is_refused_on_cpu(tmp_path, capsys):
-    assert dry_run(tmp_path, "--ds.lora.rank", "10000000") == 2
-    err = one_error_line(capsys)
+def fresh_dry_run(tmp_path, *flags) -> subprocess.CompletedProcess:
+    """The dry run as a user's command runs it, in a process of its own: the host's memory is checked only where no
+    Ray runs in the process (a Ray there is a cluster's), which this test process's others may have started."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-m", "openrlhf_async.cli.train_async", "@" + preset_path("tiny_cpu"),
+                           "--runs_dir", str(tmp_path / "runs"), "--no-progress", "--dry_run", *flags],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_memory_plan_past_the_machines_memory_is_refused_on_cpu(tmp_path):
+    proc = fresh_dry_run(tmp_path, "--ds.lora.rank", "10000000")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: memory plan: 2 trainer ranks x ") and "this machine has" in err, err
     assert "the largest part is the optimizer" in err and "from --ds.lora.rank 10000000" in err, err
 
 
-def test_the_tiny_preset_still_fits_and_its_summary_says_the_host_check(tmp_path, capsys):
-    assert dry_run(tmp_path) == 0
-    summary = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "not checked" not in summary and "host memory" in summary, summary
+def test_the_tiny_preset_still_fits_and_its_summary_says_the_host_check(tmp_path):
+    proc = fresh_dry_run(tmp_path)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0 and "not checked" not in summary and "host memory" in summary, summary
 
 
 # 5. Model flags and LoRA targets that name nothing.

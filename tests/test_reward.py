@@ -93,7 +93,7 @@ def test_hostile_latex_hangs_inline_but_is_bounded_by_the_pool():
             start = time.monotonic()
             with pytest.raises(RewardTimeout, match="over 0.5 s"):
                 await pool.score(HOSTILE, "1")
-            assert time.monotonic() - start < 2.5
+            assert time.monotonic() - start < 4  # inline it was still computing after 4 s: the pool ended it
             assert (await pool.score("\\boxed{\\frac12}", "0.5"))["score"] == 1.0  # a fresh worker
         finally:
             pool.close()

@@ -499,24 +499,27 @@ def memory_wait_s(vllm, hybrid: str) -> float:
     return HYBRID_START_WAIT_S if hybrid == "cuda" else 120.0
 
 
-def wait_for_device_memory(fraction: float, timeout_s: float = 120.0, poll_s: float = 1.0, free_total=None) -> float:
+def wait_for_device_memory(fraction: float, timeout_s: float = 120.0, poll_s: float = 1.0, free_total=None,
+                           clock=None, sleep=None) -> float:
     """Seconds waited until this actor's GPU has `fraction` of its memory free, as vLLM's start-up check requires: a
     replacement engine can land on the GPU of the engine it replaces while the killed processes still release it,
     which would fail the start and spend a restart. Gives up after timeout_s (vLLM's check then names what holds
-    it); no wait without a GPU. NVML, not torch.cuda: a CUDA context here would hold memory for the actor's life."""
+    it); no wait without a GPU. NVML, not torch.cuda: a CUDA context here would hold memory for the actor's life.
+    clock and sleep: time.monotonic and time.sleep unless given (the tests give a clock of their own)."""
     import time
 
+    clock, sleep = clock or time.monotonic, sleep or time.sleep
     if free_total is None:
         free_total = _nvml_free_total()
         if free_total is None:
             return 0.0
-    start = time.monotonic()
+    start = clock()
     while True:
         free, total = free_total()
-        waited = time.monotonic() - start
+        waited = clock() - start
         if free >= fraction * total or waited >= timeout_s:
             return waited
-        time.sleep(poll_s)
+        sleep(poll_s)
 
 
 def _nvml_free_total():
