@@ -5,8 +5,9 @@ with finite losses and changing weights; these are the tests that fail then.
 What is asserted is the score of every finished group, before the dynamic-sampling filter (rollout/score_all_mean),
 over the last ten steps, against a control run that cannot learn (its learning rate moves no weight) on the same
 prompts with the same sampling seeds: the prompts' own difficulty then cancels, and the margin is the runs' own
-noise, three standard errors of their step-by-step difference, not a number tuned on a machine. A bug that trains the wrong way (the advantage's sign flipped: -0.061 over 50 steps) or not at all (0.000)
-falls to or stays at the control's score. At the preset's settings (lr 1e-4) the last ten steps scored 0.781 (sync) and
+noise, three standard errors of their step-by-step difference, not a number tuned on a machine. A bug that trains
+the wrong way (the advantage's sign flipped: -0.061 over 50 steps) or not at all (0.000) falls to or stays at the
+control's score. At the preset's settings (lr 1e-4) the last ten steps scored 0.781 (sync) and
 0.729 (fully async with partial rollout, the demo's mode) against the control's 0.624 (2026-12-03).
 The held-out evaluation is only required not to collapse: greedy or sampled, the tiny model's held-out accuracy
 swings by up to 0.1 from one checkpoint to the next while it learns (0.648, 0.522, 0.709, 0.725, 0.720, 0.813,

@@ -403,8 +403,7 @@ def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -
     # start_new_session: one process group holds the launcher, so one kill ends it (and bwrap takes the rest).
     options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
-    started_r, started_w = os.pipe()
-    options["started_fd"] = started_r
+    started_w = _start_pipe(options)
     if mode == "bwrap":
         def bwrap(fds: list) -> list:
             code_fd = os.memfd_create("sandbox-code")  # bwrap copies it into the tmpfs: nothing is written on the host
@@ -423,6 +422,13 @@ def _launch(code: str, timeout: float, memory_mb: int, mode: str, audit: bool) -
     command = python + [os.path.realpath(workdir), *limits, "0", str(NOFILE), str(int(audit)), str(started_w)]
     return workdir, cgroup, cgroup.wrap(command), {**options, "env": _env(workdir), "cwd": workdir,
                                                    "pass_fds": (started_w,)}
+
+
+def _start_pipe(options: dict) -> int:
+    """The pipe on which the sandbox says that the code starts: its reading end kept in options (started_fd, for the
+    supervisor; _cleanup closes it), its writing end returned, to be passed to the sandbox."""
+    options["started_fd"], started_w = os.pipe()
+    return started_w
 
 
 def _spawned(options: dict) -> dict:
@@ -624,8 +630,7 @@ def _launch_command(argv: list, workdir: str, env: dict, timeout: float, memory_
     launcher = [sys.executable, "-I", "-B", "-c", LAUNCHER]
     options = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     cgroup = RunCgroup((memory_mb + WORKDIR_MB + CGROUP_SLACK_MB) << 20)
-    started_r, started_w = os.pipe()
-    options["started_fd"] = started_r
+    started_w = _start_pipe(options)
     if mode != "bwrap":  # RLIMIT_NPROC outside a user namespace counts the user's every process: none is safe
         command = cgroup.wrap(launcher + [*limits, "0", str(NOFILE), str(started_w), *argv])
         return None, cgroup, command, {**options, "env": {**_env(workdir), **env}, "cwd": workdir,

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from typing import Callable, Optional
 
 from openrlhf_async.reward.shaping import shape_rewards
-from openrlhf_async.rollout.batch import (RolloutBatch, StartedGroup, Starvation, State, awaited, group_tokens,
-                                          stop_rule)
+from openrlhf_async.rollout.batch import (ERROR_KINDS, RolloutBatch, StartedGroup, Starvation, State, awaited,
+                                          group_tokens, stop_rule)
 from openrlhf_async.rollout.engine import _engine_died, all_engines_dead, raising, submit
 from openrlhf_async.rollout.filter import GroupFilter
 from openrlhf_async.rollout.seeds import derive_seed
@@ -337,7 +337,7 @@ class RolloutController:
         self.score_range = (min(scores), max(scores)) if scores else None
         self.answers += len(group)
         self.answers_empty += sum(1 for ep in group if _empty(ep))
-        failed = [ep.error[1] for ep in group if ep.error and ep.error[0] in ("reward_error", "reward_timeout")]
+        failed = [ep.error[1] for ep in group if ep.error and ERROR_KINDS.get(ep.error[0], ("",))[0] == "reward"]
         self.reward_failures += len(failed)
         self.first_reward_failure = self.first_reward_failure or (failed[0] if failed else None)
         self.groups_finished, self.groups_valid = self.groups_finished + 1, self.groups_valid + record.valid
