@@ -781,3 +781,32 @@ def test_a_prompt_set_all_flat_and_set_aside_ends_the_run_when_starvation_stops_
         groups, metrics, _, _ = first_batch(action, skip)
         assert groups == [] and metrics["rollout/groups_started"] == 20 and metrics["rollout/starved_batches"] == 1
         assert metrics["rollout/stop_reason"].startswith("the scores have never varied in this run: all 40 samples")
+
+
+def test_the_unbiased_stop_gives_the_same_batches_and_counters_however_long_each_group_takes():
+    """--rollout.unbiased_early_stop in sync mode repeats (docs/RUNNING.md): three batches of two runs whose groups
+    score alike but finish in other orders (each group's time drawn by another seed) are the same prompts with the
+    same counters (each batch starting where the one before left off). 090a44e aborted the groups past the cut and took
+    outcomes as groups finished: its batch 1 aborted 3 groups in one run and 1 in the other, and its batch 3 differed."""
+    import random
+
+    def three_batches(seed):
+        times, scores = random.Random(seed), random.Random(0)
+        labels = iter(enumerate([{"delay": times.choice([0.001, 0.05, 0.2]),
+                                  "scores": VALID if scores.random() < 0.4 else FLAT} for _ in range(200)]))
+
+        def next_prompt():
+            i, label = next(labels)
+            return {"prompt_ids": [i, 2], "label": label}
+
+        c = _controller([FakeEngine(), FakeEngine()], rollout=dict(unbiased_early_stop=True,
+                                                                   vllm_generate_batch_size=8))
+        batches = []
+        for _ in range(3):
+            groups, m = c.run(next_prompt, target=4)
+            counters = {k: v for k, v in m.items() if k.startswith("rollout/") and not k.endswith("_s")
+                        and "overrun" not in k and "engine_load" not in k and "per_s" not in k}
+            batches.append(([g[0].prompt_ids[0] for g in groups], counters))
+        return batches
+
+    assert three_batches(1) == three_batches(2)

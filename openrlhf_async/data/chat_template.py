@@ -9,7 +9,7 @@ import select
 import signal
 
 RENDER_TIMEOUT_S = 5.0
-RENDER_MEMORY = 1 << 30  # address space the child may add to what it was forked with
+RENDER_MEMORY = 1 << 28  # address space the child may add to what it was forked with (one prompt needs KBs)
 TEMPLATE_MAX_CHARS = 1 << 20  # what the template may add to the prompt's own text (roles, a system prompt)
 
 

@@ -319,13 +319,13 @@ class LLMRayActorAsync:
             await pausing
             return 0
         drained, _ = await asyncio.wait({pausing}, timeout=drain_timeout)
-        states = self.engine.output_processor.request_states.values()
-        frozen = 0 if drained else sum(1 for s in states if s.detokenizer.num_output_tokens())
-        if not drained:
-            # vLLM's keep pause completes the pending wait pause too: the scheduler counts frozen requests as none.
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+        if drained:
+            return 0
+        # vLLM's keep pause completes the pending wait pause too: the scheduler counts frozen requests as none.
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
         await pausing
-        return frozen
+        # Counted once frozen: a request that began while the keep pause took hold spans the sync too.
+        return sum(1 for s in self.engine.output_processor.request_states.values() if s.detokenizer.num_output_tokens())
 
     async def receive_weights(self, named_shapes: list, version: int, sparse: bool = False) -> int:
         """Load the weights trainer rank 0 broadcasts, named_shapes [(name, dtype, shape)] in its order, through

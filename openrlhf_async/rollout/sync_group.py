@@ -293,7 +293,8 @@ class SyncGroup:
 # rows W[r] of the first dimension, each row as 16-bit halves h: one a bf16 element, two an fp32 one) adds
 # Σ_r a_n(r) Σ_c v(c) h_rc mod 2^64 to its group: a_n(r) an odd 64-bit hash of (n, r), v(c) an odd integer hash of c
 # below 2^20 in size. Each row's inner sum is taken in float64 over blocks of at most 2^17 halves, so it is an integer
-# below 2^52: exact in any order; the rest is wrapping integer arithmetic. So the tolerance is zero, any partition of
+# below 2^52: exact in any order (on a CPU a compiled loop takes the same integer in int64, _cpu_kernel); the rest is
+# wrapping integer arithmetic. So the tolerance is zero, any partition of
 # a weight (ZeRO-3 ranks' flat ranges, tensor-parallel shards, q/k/v packed in one parameter) adds up to the
 # whole's, and an element that moves (k and v swapped, two experts, gate and up, permuted heads) or two that change
 # together (two sign bits) changes the sum unless a 64-bit coincidence. Zeros add nothing (vLLM's vocabulary
@@ -301,7 +302,7 @@ class SyncGroup:
 _WORD = 1 << 64
 _BLOCK = 1 << 17  # halves a row's float64 sum takes at a time: 2^17 x 2^15 x 2^20 = 2^52 < 2^53
 _M1, _M2, _GAMMA = 0xBF58476D1CE4E5B9 - _WORD, 0x94D049BB133111EB - _WORD, 0x9E3779B97F4A7C15 - _WORD
-_columns = {}  # device -> v(c) for c < its length, float64
+_columns = {}  # device -> v(c) for c < its length (_column_weights)
 
 
 def fingerprint_group(name: str) -> str:
@@ -338,9 +339,22 @@ def block_sum(name: str, block: torch.Tensor, row: int, col: int) -> int:
     its first element at (row, col)."""
     halves = block.reshape(block.shape[0], -1).view(torch.int16)
     per = halves.shape[1] // max(1, block.shape[1])
+    first = col * per
+    cpu = halves.device.type == "cpu"
+    kernel = _cpu_kernel() if cpu and (_kernel or halves.numel() > _COMPILED_FROM) else None
+    if kernel is not None:
+        v = _column_weights(first + halves.shape[1], "cpu:int64")[first:]
+        return int(kernel(halves.contiguous().numpy(), v.numpy(), row, _name_seed(name)))
+    dots = _row_dots(halves, _column_weights(first + halves.shape[1], halves.device)[first:])
+    rows = torch.arange(row, row + halves.shape[0], dtype=torch.int64, device=halves.device)
+    return int((_mix(rows * _GAMMA + _name_seed(name)) | 1).mul_(dots).sum()) % _WORD
+
+
+def _row_dots(halves: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Σ_c v(c) h_rc of each row, exact: in float64 over blocks of at most _BLOCK halves, in chunks of rows that
+    stay in a CPU's cache."""
     dots = torch.zeros(halves.shape[0], dtype=torch.int64, device=halves.device)
-    v = _column_weights(col * per + halves.shape[1], halves.device)[col * per:]
-    chunk = max(1, (1 << 16 if halves.device.type == "cpu" else 1 << 24) // halves.shape[1])  # in cache on a cpu
+    chunk = max(1, (1 << 16 if halves.device.type == "cpu" else 1 << 24) // halves.shape[1])
     buffer = torch.empty(min(chunk, halves.shape[0]), min(halves.shape[1], _BLOCK), dtype=torch.float64,
                          device=halves.device)
     threads = torch.get_num_threads()
@@ -355,8 +369,45 @@ def block_sum(name: str, block: torch.Tensor, row: int, col: int) -> int:
                 dots[r : r + part.shape[0]] += torch.mv(part, v[c : c + w]).to(torch.int64)
     finally:
         torch.set_num_threads(threads)
-    rows = torch.arange(row, row + halves.shape[0], dtype=torch.int64, device=halves.device)
-    return int((_mix(rows * _GAMMA + _name_seed(name)) | 1).mul_(dots).sum()) % _WORD
+    return dots
+
+
+_kernel = []  # [block_sum compiled for a CPU, or None where numba is missing]
+# Halves in a block from which a process loads the compiled loop (about 0.5 s), then used for every block: a model of
+# none so large (the tiny one) never pays for it.
+_COMPILED_FROM = 1 << 17
+
+
+def _cpu_kernel():
+    """block_sum on a CPU as one compiled loop (numba, which vLLM requires): the same sum in uint64 arithmetic, each
+    row's dot in int64 (products below 2^35, sums below 2^63 for rows under 2^28 halves: exact, so equal to the
+    float64 blocks'). One pass over the halves: SmolLM2's 134.5M bf16 ones in about 0.06 s on one thread, against
+    0.27 s for torch's many small ops, so the check stays a small share of a sync. None without numba."""
+    if not _kernel:
+        try:
+            import numba
+            import numpy as np
+        except ImportError:
+            _kernel.append(None)
+        else:
+            m1, m2, gamma = (np.uint64(x % _WORD) for x in (_M1, _M2, _GAMMA))
+
+            @numba.njit(cache=True, nogil=True)
+            def weighted_sum(halves, v, row, seed):
+                total = np.uint64(0)
+                for r in range(halves.shape[0]):
+                    dot = np.int64(0)
+                    for c in range(halves.shape[1]):
+                        dot += np.int64(halves[r, c]) * v[c]
+                    z = np.uint64(row + r) * gamma + np.uint64(seed)  # _mix, as rows * _GAMMA + seed in torch
+                    z = (z ^ (z >> np.uint64(30))) * m1
+                    z = (z ^ (z >> np.uint64(27))) * m2
+                    z = z ^ (z >> np.uint64(31))
+                    total += (z | np.uint64(1)) * np.uint64(dot)
+                return total
+
+            _kernel.append(weighted_sum)
+    return _kernel[0]
 
 
 def _name_seed(name: str) -> int:
@@ -373,11 +424,15 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 
 
 def _column_weights(n: int, device) -> torch.Tensor:
-    v = _columns.get(str(device))
+    """v(c) for c < n (at least), float64 on the device, or int64 on the CPU for device "cpu:int64"."""
+    key = str(device)
+    v = _columns.get(key)
     if v is None or len(v) < n:
-        c = torch.arange(max(n, 2 * len(v) if v is not None else 0), dtype=torch.int64, device=device)
-        v = ((((_mix(c + _GAMMA) >> 43) & ((1 << 21) - 1)) | 1) - (1 << 20)).double()  # odd, |v| < 2^20
-        _columns[str(device)] = v
+        c = torch.arange(max(n, 2 * len(v) if v is not None else 0), dtype=torch.int64,
+                         device="cpu" if key == "cpu:int64" else device)
+        v = (((_mix(c + _GAMMA) >> 43) & ((1 << 21) - 1)) | 1) - (1 << 20)  # odd, |v| < 2^20
+        v = v if key == "cpu:int64" else v.double()
+        _columns[key] = v
     return v
 
 

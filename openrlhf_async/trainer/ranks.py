@@ -192,11 +192,12 @@ class PolicyGroup(RankGroup):
         rollout's nucleus distribution."""
         return self._per_sample(samples, "logprobs", temperature, self.batching, reference, top_p)
 
-    def with_reference(self, samples: list, temperature: float, kl_coef: float, top_p: float = 1.0) -> list:
+    def with_reference(self, samples: list, temperature: float, kl_coef: float, top_p: float) -> list:
         """The samples with the reference model's log-probs ("ref_logprobs") where the KL has a coefficient, computed
         before the updates as OpenRLHF's experience maker does (a pass per training micro batch would run a different
         number of ZeRO-3 gathers per rank). top_p < 1: of the reference's own nucleus, as the policy's are of its
-        own: against the whole distribution a policy equal to its reference would show a KL of -log(nucleus mass)."""
+        own: against the whole distribution a policy equal to its reference would show a KL of -log(nucleus mass).
+        top_p has no default, so that no caller compares a nucleus with a whole distribution by leaving it out."""
         if kl_coef <= 0 or all("ref_logprobs" in s for s in samples):
             return samples
         refs = self.logprobs(samples, temperature, reference=True, top_p=top_p)
