@@ -66,7 +66,8 @@ smollm2-rl: install $(SMOLLM2_GGUF)
 	DEVICE=$(DEVICE) $(PY) -m openrlhf_async.cli.train_async @openrlhf_async/presets/smollm2_cpu.args \
 	  --actor.model_name_or_path $(SMOLLM2_GGUF) --run_name smollm2 --overwrite
 
-# The suite without the runs marked long (about 55 minutes on 2 CPU cores, 2026-12-03); test-long runs those (about 50 minutes).
+# The suite without the runs marked long (about 55 minutes on 2 CPU cores, 2026-12-03); test-long runs those
+# (about 50 minutes).
 test: install $(SMOLLM2_GGUF)
 	DEVICE=$(DEVICE) SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -rfEs -m "not long" --durations=15 tests
 

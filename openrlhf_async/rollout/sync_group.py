@@ -294,15 +294,15 @@ class SyncGroup:
 # Σ_r a_n(r) Σ_c v(c) h_rc mod 2^64 to its group: a_n(r) an odd 64-bit hash of (n, r), v(c) an odd integer hash of c
 # below 2^20 in size. Each row's inner sum is taken in float64 over blocks of at most 2^17 halves, so it is an integer
 # below 2^52: exact in any order (on a CPU a compiled loop takes the same integer in int64, _cpu_kernel); the rest is
-# wrapping integer arithmetic. So the tolerance is zero, any partition of
-# a weight (ZeRO-3 ranks' flat ranges, tensor-parallel shards, q/k/v packed in one parameter) adds up to the
-# whole's, and an element that moves (k and v swapped, two experts, gate and up, permuted heads) or two that change
-# together (two sign bits) changes the sum unless a 64-bit coincidence. Zeros add nothing (vLLM's vocabulary
-# padding). On request (values) a group also carries the sum of its values: to say how large a difference is.
+# wrapping integer arithmetic. So the tolerance is zero, any partition of a weight (ZeRO-3 ranks' flat ranges,
+# tensor-parallel shards, q/k/v packed in one parameter) adds up to the whole's, and an element that moves (k and v
+# swapped, two experts, gate and up, permuted heads) or two that change together (two sign bits) changes the sum
+# unless a 64-bit coincidence. Zeros add nothing (vLLM's vocabulary padding). On request (values) a group also
+# carries the sum of its values: to say how large a difference is.
 _WORD = 1 << 64
 _BLOCK = 1 << 17  # halves a row's float64 sum takes at a time: 2^17 x 2^15 x 2^20 = 2^52 < 2^53
 _M1, _M2, _GAMMA = 0xBF58476D1CE4E5B9 - _WORD, 0x94D049BB133111EB - _WORD, 0x9E3779B97F4A7C15 - _WORD
-_columns = {}  # device -> v(c) for c < its length (_column_weights)
+_columns = {}  # (device, dtype) -> v(c) for c < its length
 
 
 def fingerprint_group(name: str) -> str:
@@ -340,10 +340,10 @@ def block_sum(name: str, block: torch.Tensor, row: int, col: int) -> int:
     halves = block.reshape(block.shape[0], -1).view(torch.int16)
     per = halves.shape[1] // max(1, block.shape[1])
     first = col * per
-    cpu = halves.device.type == "cpu"
-    kernel = _cpu_kernel() if cpu and (_kernel or halves.numel() > _COMPILED_FROM) else None
+    on_cpu = halves.device.type == "cpu"
+    kernel = _cpu_kernel() if on_cpu and (_kernel or halves.numel() > _COMPILED_FROM) else None
     if kernel is not None:
-        v = _column_weights(first + halves.shape[1], "cpu:int64")[first:]
+        v = _column_weights(first + halves.shape[1], halves.device, torch.int64)[first:]
         return int(kernel(halves.contiguous().numpy(), v.numpy(), row, _name_seed(name)))
     dots = _row_dots(halves, _column_weights(first + halves.shape[1], halves.device)[first:])
     rows = torch.arange(row, row + halves.shape[0], dtype=torch.int64, device=halves.device)
@@ -423,15 +423,13 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
-def _column_weights(n: int, device) -> torch.Tensor:
-    """v(c) for c < n (at least), float64 on the device, or int64 on the CPU for device "cpu:int64"."""
-    key = str(device)
+def _column_weights(n: int, device, dtype=torch.float64) -> torch.Tensor:
+    """v(c) for c < n (at least) on the device: float64 for torch's blocks, int64 for the compiled loop."""
+    key = (str(device), dtype)
     v = _columns.get(key)
     if v is None or len(v) < n:
-        c = torch.arange(max(n, 2 * len(v) if v is not None else 0), dtype=torch.int64,
-                         device="cpu" if key == "cpu:int64" else device)
-        v = (((_mix(c + _GAMMA) >> 43) & ((1 << 21) - 1)) | 1) - (1 << 20)  # odd, |v| < 2^20
-        v = v if key == "cpu:int64" else v.double()
+        c = torch.arange(max(n, 2 * len(v) if v is not None else 0), dtype=torch.int64, device=device)
+        v = ((((_mix(c + _GAMMA) >> 43) & ((1 << 21) - 1)) | 1) - (1 << 20)).to(dtype)  # odd, |v| < 2^20
         _columns[key] = v
     return v
 
