@@ -32,7 +32,7 @@ def main() -> int:
     from openrlhf_async.cli.train_async import main as train_main
     from openrlhf_async.config import default_cache_dir, preset_path
     from openrlhf_async.models.tiny import build_tiny_model
-    from openrlhf_async.utils.local_cluster import (ENGINE, POLICY, LocalCluster, ProcessWatch, RunThread, read_steps,
+    from benchmarks.local_cluster import (ENGINE, POLICY, LocalCluster, ProcessWatch, RunThread, read_steps,
                                                     wait_for)
 
     t0 = time.time()

@@ -296,7 +296,7 @@ class Harness:
                    if t != a and g <= 2 * tol)
         stale = self.stale_distance(before, version)
         versions_ok = all(v == version for o in outs for v in o["token_versions"])
-        # The weight sync's own check (trainer/weight_sync.py verify): the engine's fingerprint of the weights it
+        # The weight sync's own check (trainer/weight_sync.py settle): the engine's fingerprint of the weights it
         # holds equals the trainer's, bit for bit.
         from openrlhf_async.rollout.sync_group import fingerprint_differences
 

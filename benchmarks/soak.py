@@ -62,7 +62,7 @@ class RewardService:
         self.start()
 
     def start(self) -> None:
-        from openrlhf_async.utils.local_cluster import wait_for
+        from benchmarks.local_cluster import wait_for
 
         # Its --timeout within the run's --reward.timeout (5 s), which the run checks: with the service's default of
         # 10 s every sample's reward failed, and scored 0.
@@ -107,7 +107,7 @@ class Run:
 
     def __init__(self, argv: list, run_dir: str, watch):
         from openrlhf_async.cli.train_async import main as train_main
-        from openrlhf_async.utils.local_cluster import RunThread
+        from benchmarks.local_cluster import RunThread
 
         self.run_dir, self.watch, self.seen = run_dir, watch, {}
         self.thread = RunThread(train_main, argv)
@@ -115,7 +115,7 @@ class Run:
 
     def poll(self) -> int:
         """The newest step recorded (records cut back by a resume are rewritten later)."""
-        from openrlhf_async.utils.local_cluster import read_steps
+        from benchmarks.local_cluster import read_steps
 
         self.watch.poll()
         records = read_steps(self.run_dir)
@@ -145,7 +145,7 @@ def held_out(records: list) -> list:
 
 def inject(kind: str, cluster, reward: RewardService, flag: str) -> str:
     """Inject one fault; returns what was done (a node kill without a safe node falls back to an engine kill)."""
-    from openrlhf_async.utils.local_cluster import ENGINE, POLICY
+    from benchmarks.local_cluster import ENGINE, POLICY
 
     if kind == "node_kill":
         ranks = {a["node_id"] for a in cluster.actors(POLICY)}
@@ -184,7 +184,7 @@ def main() -> int:
 
     from openrlhf_async.config import default_cache_dir
     from openrlhf_async.models.tiny import build_tiny_model
-    from openrlhf_async.utils.local_cluster import LocalCluster, ProcessWatch, read_steps
+    from benchmarks.local_cluster import LocalCluster, ProcessWatch, read_steps
 
     t0 = time.time()
     model = build_tiny_model(default_cache_dir())

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from conftest import NO_POLICY, preset_config
+from stand_in_sync import StandInSync
 from openrlhf_async.config import config_with
 from openrlhf_async.reward.shaping import overlong_penalty
 from openrlhf_async.rollout.batch import AgentFailureError
@@ -684,28 +685,6 @@ class _ThreadQueue:
             raise Empty from None
 
 
-class _Sync:
-    """The weight sync's calls without engines: a sync is a new version."""
-
-    def __init__(self):
-        self.engines, self.version, self.engine_version, self.fleet, self.engines_dropped = [], 0, 0, None, 0
-        self.drain_frozen = self.broadcasts_failed = 0  # counters the trainer reads
-        self.check = False  # no probe check (LoRA only)
-        self.figures = {}  # a sync's figures (sparse, bytes, the check's seconds): none here
-
-    def catch_up(self):
-        return 0
-
-    def to_train(self):  # the hybrid engine's hand-overs: none here
-        pass
-
-    def to_generate(self):
-        pass
-
-    def sync(self, pause_mode=None):
-        self.version = self.engine_version = self.version + 1
-
-
 def _starving_run(monkeypatch, action, mode="sync", solved_after=6, *flags):
     """GenerateSamplesActor and TrainingActor in-process (a thread each; a fake engine whose policy learns the task
     after `solved_after` groups; a timed stand-in for the optimizer step) over 6 steps of 2 groups, the starvation
@@ -716,7 +695,7 @@ def _starving_run(monkeypatch, action, mode="sync", solved_after=6, *flags):
 
     from openrlhf_async.trainer import pipeline
 
-    sync = _Sync()
+    sync = StandInSync()
     monkeypatch.setattr(pipeline, "_live_version", lambda engines: sync.version)
     cfg = preset_config("--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4",
                         "--rollout.vllm_generate_batch_size", "2", "--train.max_steps", "6", "--ckpt.save_steps", "-1",

@@ -245,7 +245,7 @@ import json, sys
 from openrlhf_async.config import preset_config, default_cache_dir
 from openrlhf_async.models.tiny import build_tiny_model
 from openrlhf_async.trainer.ranks import PolicyGroup
-from openrlhf_async.utils.local_cluster import LocalCluster, POLICY
+from benchmarks.local_cluster import LocalCluster, POLICY
 import ray
 
 model = build_tiny_model(default_cache_dir())

@@ -143,8 +143,8 @@ def _recording_sync(fail_update_at=None, cuda=False, tp=1):
         def _begin_attempt(self):
             pass
 
-        def verify(self, members, version):
-            log.append(("engines", "verify", version))
+        def _begin_check(self, members, version):
+            log.append(("engines", "check", version))
 
         def _ranks_each(self, method, bucket, owners):
             log.append(("ranks", method, sorted(owners)))
@@ -154,7 +154,7 @@ def _recording_sync(fail_update_at=None, cuda=False, tp=1):
     sync = object.__new__(Recording)
     sync.policy, sync.fleet, sync.tp, sync.cuda, sync.timeout = None, None, tp, cuda, 1.0
     sync.engine_sleep = sync.trainer_sleep = True
-    sync.sleeping, sync.calls, sync.grouped, sync.check = set(), [], None, False
+    sync.sleeping, sync.calls, sync.grouped, sync.check, sync.pending = set(), [], None, False, None
     sync.buckets = plan_buckets([("a", "float32", (4,)), ("b", "float32", (4,)), ("c", "float32", (4,))], 16)
     sync.members = {0: "engine 0", 1: "engine 1"}
     sync.version = sync.engine_version = sync.engines_dropped = sync.drain_frozen = sync.broadcasts_failed = 0
@@ -170,7 +170,7 @@ def test_a_hybrid_step_sleeps_reloads_trains_offloads_wakes_the_weights_transfer
     assert steps == [("engines", "sleep"), ("ranks", "reload_states"), ("ranks", "train"),
                      ("ranks", "offload_states"), ("engines", "wake_up"), ("engines", "start_weight_update"),
                      *[("ranks", "write_bucket"), ("engines", "update_weights")] * 3,
-                     ("engines", "finish_weight_update"), ("engines", "wake_up"), ("engines", "verify")]
+                     ("engines", "finish_weight_update"), ("engines", "wake_up"), ("engines", "check")]
     wakes = [args for who, method, *args in log if method == "wake_up"]
     assert wakes == [[["weights"]], [["kv_cache"]]], "the weights wake before they are written, the cache after"
     assert ("engines", "finish_weight_update", 1) in log and sync.version == 1 and not sync.sleeping
@@ -187,7 +187,7 @@ def test_the_version_moves_only_once_every_bucket_arrived_a_failed_transfer_is_m
     assert methods.count("start_weight_update") == 2 and methods.count("finish_weight_update") == 1
     assert methods[:first_finish].count("update_weights") == 2 + 3, "the failed transfer stopped, then all again"
     assert sync.broadcasts_failed == 1 and sync.version == 1
-    assert methods[-2:] == ["wake_up", "verify"] and not sync.sleeping
+    assert methods[-2:] == ["wake_up", "check"] and not sync.sleeping
 
 
 def test_on_cuda_each_tensor_parallel_worker_gets_the_handles_of_the_rank_on_its_own_gpu():

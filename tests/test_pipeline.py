@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from conftest import NO_POLICY, tokenized_prompts, unfinished
+from stand_in_sync import StandInSync
 from openrlhf_async.rollout.batch import AgentFailureError
 from openrlhf_async.rollout.episode import Episode
 from openrlhf_async.trainer.pipeline import PPOTrainerAsync
@@ -191,28 +192,6 @@ class _ListQueue:
         self.items.append(item)
 
 
-class _CountingSync:
-    def __init__(self):
-        self.engines, self.version, self.engine_version, self.pause_modes = [], 0, 0, []
-        self.fleet, self.engines_dropped, self.drain_frozen, self.broadcasts_failed = None, 0, 0, 0  # fixed engines
-        self.check = False  # no probe check (LoRA only)
-        self.figures = {}  # a sync's figures (sparse, bytes, the check's seconds): none here
-
-    def catch_up(self):
-        return 0
-
-    def to_train(self):  # the hybrid engine's hand-overs: none here
-        pass
-
-    def to_generate(self):
-        pass
-
-    def sync(self, pause_mode):
-        time.sleep(0.05)
-        self.version, self.engine_version = self.version + 1, self.version + 1
-        self.pause_modes.append(pause_mode)
-
-
 def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, monkeypatch):
     """TrainingActor.run in-process on queued batches (no engines, a timed stand-in step): a sync every
     trigger_parameter_sync_step steps and at the end, frozen episodes under partial rollout, and the step timings and
@@ -227,12 +206,13 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
                                                                   "rollout/tokens_generated": 10,
                                                                   "rollout/stale_groups_dropped": 1}, [(i, i)], [], [])
                for i in range(3)]
-    logged, sync = _ListQueue(), _CountingSync()
+    logged, sync = _ListQueue(), StandInSync(0.05)
     trainer = pipeline.TrainingActor(cfg, NO_POLICY, sync, _ListQueue(batches), logged, [],
                                      num_prompts=3, stand_in_train_s=0.1)
     summary = trainer.run()
     steps = logged.items
     assert sync.pause_modes == ["keep", "keep"]  # after step 2 and after the last step
+    assert sync.trained_on == [0, 0, 0]  # the newest version of the batches' tokens: the last sync's check waits for it
     assert [m["weight_version"] for m in steps] == [0, 1, 2] and [m["queue/depth"] for m in steps] == [3, 2, 1]
     assert [m["timing/sync_s"] > 0 for m in steps] == [False, True, True]
     totals = {"wait": 0.0, "train": 0.0, "sync": 0.0}
@@ -258,7 +238,7 @@ def test_the_training_loop_syncs_on_schedule_and_times_its_phases(stack_cfg, mon
     assert (summary["max_staleness"], summary["stale_samples_trained"], summary["stale_groups_dropped"]) == (1, 2, 3)
     assert [m["_used"]["positions"] for m in steps] == [[0], [1], [2]]
     batches[0].version = 1  # made for another version than the trainer's: a bug in the version counts
-    trainer = pipeline.TrainingActor(cfg, NO_POLICY, _CountingSync(), _ListQueue(batches[:1]),
+    trainer = pipeline.TrainingActor(cfg, NO_POLICY, StandInSync(0.05), _ListQueue(batches[:1]),
                                      _ListQueue(), [], num_prompts=3, stand_in_train_s=0.0)
     with pytest.raises(RuntimeError, match="counts disagree"):
         trainer.run()

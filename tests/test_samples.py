@@ -9,6 +9,7 @@ import os
 import pytest
 
 from conftest import NO_POLICY
+from stand_in_sync import StandInSync
 from openrlhf_async.config import Config, LoggerConfig
 from openrlhf_async.rollout.episode import Episode
 from openrlhf_async.utils.metrics import MetricsLog
@@ -198,24 +199,6 @@ class _ListQueue:
         self.items.append(item)
 
 
-class _Sync:
-    engines, version, engine_version, fleet, engines_dropped, drain_frozen, broadcasts_failed = [], 0, 0, None, 0, 0, 0
-    check = False  # no probe check (LoRA only)
-    figures = {}  # a sync's figures (sparse, bytes, the check's seconds): none here
-
-    def catch_up(self):
-        return 0
-
-    def to_train(self):  # the hybrid engine's hand-overs: none here
-        pass
-
-    def to_generate(self):
-        pass
-
-    def sync(self, pause_mode):
-        self.version = self.engine_version = self.version + 1
-
-
 def test_the_trainer_sends_the_first_groups_and_evaluation_answers(monkeypatch):
     """TrainingActor in-process (no engines, a stand-in step, evaluation faked): each step's record carries the
     episodes of its first --logger.log_samples groups, and each evaluation's first answers once."""
@@ -241,7 +224,7 @@ def test_the_trainer_sends_the_first_groups_and_evaluation_answers(monkeypatch):
                                     {"rollout/time_to_batch_s": 0.1, "rollout/tokens_generated": 1,
                                      "rollout/stale_groups_dropped": 0}, [(i, i)], [], []) for i in range(3)]
     logged = _ListQueue()
-    trainer = pipeline.TrainingActor(cfg, NO_POLICY, _Sync(), _ListQueue(batches), logged,
+    trainer = pipeline.TrainingActor(cfg, NO_POLICY, StandInSync(), _ListQueue(batches), logged,
                                      [{"prompt_ids": [0], "label": "0"}], num_prompts=3, stand_in_train_s=0.0)
     trainer.run()
     sent = [(m["step"], [ep.request_id for ep in m["_samples"]["train"]],

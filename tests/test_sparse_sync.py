@@ -170,7 +170,8 @@ def test_after_many_sparse_syncs_and_a_partial_rollout_across_them_the_engine_ho
             frozen_at = running_tokens(engine)
             sync.sync(pause_mode="keep")
         else:
-            sync.sync()  # checked inside: the engine's fingerprint equals the trainer's, its version the new one
+            sync.sync()
+        sync.settle()  # the check: the engine's fingerprint equals the trainer's, its version the new one
         figures = sync.figures
         assert figures["sync/sparse"] == 1, figures
         assert 0 < figures["sync/changed_fraction"] < cfg.train.weight_sync_sparse_max
@@ -217,15 +218,16 @@ def test_a_planted_fault_is_caught_at_the_sync_where_it_happens_in_one_line(bf16
         if not sparse:
             sync.holding = set()  # as after an engine joined: every weight is sent
         ray.get(engine.plant_sync_fault.remote(kind))
+        sync.sync()
         with pytest.raises(SyncCheckFailed) as caught:
-            sync.sync()
+            sync.settle()  # before the policy trains again (to_train), evaluates or syncs
         line = str(caught.value)
         assert line.startswith(f"weight sync check: engine 0 does not hold the trainer's weights of version "
-                               f"{sync.version + 1} (it holds version "), line
+                               f"{sync.version} (it holds version "), line
         assert "\n" not in line and ("weight groups differ" in line), line
         assert ("only the elements that changed" in line) == sparse, line
         if kind == "stale":
-            assert f"(it holds version {sync.version})" in line
+            assert f"(it holds version {sync.version - 1})" in line
         sync.sync()  # the next sync sends every weight, and the engine holds them again
         assert sync.figures["sync/sparse"] == 0
     _plain_weights_equal(policy, engine)

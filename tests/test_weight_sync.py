@@ -131,7 +131,7 @@ def test_a_joining_engine_catches_up_only_to_weights_that_are_a_syncs_and_carrie
     """With --train.trigger_parameter_sync_step 2: after sync 1 an engine joins at version 1 with exactly those
     weights; once a step has trained, the policy's weights are no version's (tagged 1, its tokens would count as
     old as sync 1's though newer), so a joining engine waits for sync 2. Fakes stand in for the fleet and the
-    broadcast: the pure rule of WeightSync.catch_up."""
+    broadcast: the pure rule of WeightSync.catch_up, and when each broadcast's check begins and ends."""
     from openrlhf_async.trainer.weight_sync import WeightSync
 
     class Fleet:
@@ -156,19 +156,27 @@ def test_a_joining_engine_catches_up_only_to_weights_that_are_a_syncs_and_carrie
 
     weights = {"step": 0}
     sent = []  # (engine ids, version, the trainer's step its weights are of)
+    checks = []  # ("begin" or "end", engine ids, version, the trainer's step then)
 
     class Sync(WeightSync):
         def _broadcast(self, members, version, pause_mode):
+            assert self.pending is None, "a broadcast began before the last one's check ended"
             sent.append((sorted(members), version, weights["step"]))
             return members
 
-        def verify(self, members, version):
-            pass
+        def _begin_check(self, members, version):
+            self.pending = (sorted(members), version)
+            checks.append(("begin", *self.pending, weights["step"]))
+
+        def settle(self):  # the comparison itself is tests/test_sparse_sync.py's
+            if self.pending is not None:
+                checks.append(("end", *self.pending, weights["step"]))
+                self.pending = None
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
     fleet = Fleet()
     sync = object.__new__(Sync)
-    sync.fleet, sync.members, sync.check, sync.holding = Remote(fleet), {}, False, set()
+    sync.fleet, sync.members, sync.check, sync.holding, sync.pending = Remote(fleet), {}, False, set(), None
     sync.version = sync.engine_version = 0
     sync.trained = False
 
@@ -186,3 +194,13 @@ def test_a_joining_engine_catches_up_only_to_weights_that_are_a_syncs_and_carrie
     step()
     sync.sync()
     assert sent[-1] == ([7, 8], 2, 3) and 8 in sync.members  # it joins with everyone at the next sync
+    # Each broadcast's check runs while the engines generate and ends before the policy trains again (to_train): a
+    # sync that went wrong stops the run before a sample made on its weights is trained on.
+    step()
+    assert checks == [("begin", [7], 1, 1), ("end", [7], 1, 1), ("begin", [7, 8], 2, 3), ("end", [7, 8], 2, 3)]
+    sync.sync()  # version 3, of step 4's weights
+    sync.to_train(2)  # a batch made on version 2's weights (fully async) trains while the check runs
+    weights["step"] += 1
+    assert checks[-1] == ("begin", [7, 8], 3, 4)
+    sync.to_train(3)  # one that holds tokens of version 3's weights waits for the check's end
+    assert checks[-1] == ("end", [7, 8], 3, 5)

@@ -45,11 +45,11 @@ class HybridWeightSync(WeightSync):
         if self.trainer_sleep:  # generation comes first: the states wait in host memory
             self._ranks("offload_states")
 
-    def to_train(self) -> None:
-        """The engines sleep (their running requests were aborted by the controller) and the training states come
-        back. An engine starting in its bundles (a replacement) finishes first: vLLM sizes its KV cache from the free
-        memory as it starts, which the reloaded states would take; it sleeps with the others, waiting for its
-        weights.
+    def to_train(self, newest_version: int = None) -> None:
+        """The last sync's check ends whatever the batch holds (the engines' weights leave as they sleep); the engines
+        sleep (their running requests were aborted by the controller) and the training states come back. An engine
+        starting in its bundles (a replacement) finishes first: vLLM sizes its KV cache from the free memory as it
+        starts, which the reloaded states would take; it sleeps with the others, waiting for its weights.
 
         The states come back only once every sleep returned (or its engine was dropped): vLLM's sleep asserts that
         its device's free memory (cudaMemGetInfo, every process's) did not fall across the call (vLLM 0.26

@@ -282,6 +282,7 @@ class TrainingActor:
             self._log(metrics, items)
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0:
                 self._save_checkpoint(step)
+        self.weight_sync.settle()  # the last sync's check
         return {"eval_start": self.eval_start, "eval_end": scores, **self.totals,
                 "trainer_idle_ratio": self.timeline.idle_ratio(start, before), "staleness_limit": self.staleness.limit,
                 "stopped_early": stopped_early}
@@ -340,6 +341,9 @@ class TrainingActor:
                                f"trainer at version {version}: the generator's and the trainer's counts disagree")
         metrics = {}
         with self.timeline.span("train"):
+            # The last sync's check ends first if this batch holds tokens of its weights; the hybrid engine's engines
+            # sleep.
+            self.weight_sync.to_train(max((v for g in groups for ep in g for v in ep.token_versions), default=None))
             if self.stand_in_train_s is not None:
                 time.sleep(self.stand_in_train_s)
             else:
@@ -367,7 +371,6 @@ class TrainingActor:
         rewards = experience.batch_rewards(groups, self.cfg.reward.stop_properly_penalty_coef)
         loss_cfg = loss_settings(self.cfg)
         loss_cfg["kl"] = {**loss_cfg["kl"], "coef": self.kl.value}
-        self.weight_sync.to_train()  # the hybrid engine's engines sleep
         if a.advantage_estimator == "gae":  # the KL is in its rewards already unless --algo.kl.use_loss
             samples, stats = self._with_critic(groups, rewards, version)
             loss_cfg["kl"]["coef"] = self.kl.value if a.kl_use_loss else 0.0
@@ -413,8 +416,8 @@ class TrainingActor:
         # The hybrid engine: of those, the seconds spent handing the devices over (engines asleep and awake again,
         # the trainer's states offloaded and back).
         handover = {"timing/sleep_s": self.weight_sync.take_handover_s()} if self.cfg.hybrid else {}
-        if synced:  # sparse or whole, the share and bytes sent, the check's seconds
-            handover.update(self.weight_sync.figures)
+        if synced:  # sparse or whole, the share and bytes sent; the wait for the sync before's check
+            handover.update({**self.weight_sync.figures, "sync/check_wait_s": self.weight_sync.check_wait_s})
         if synced and self.weight_sync.check:  # LoRA: the engines' probe log-probs against the trainer's
             handover.update({"sync/probe_logprob_diff": self.weight_sync.probe_diff,
                              "sync/probe_adapter_effect": self.weight_sync.probe_adapter_effect})
@@ -438,6 +441,7 @@ class TrainingActor:
     def _evaluate(self):
         from openrlhf_async.trainer.evaluate import evaluate
 
+        self.weight_sync.settle()  # the scores are of the weights the last sync was checked to have sent
         with self.timeline.span("eval"):  # on the engines alive at the last sync
             scores, groups = evaluate(self.cfg, self.weight_sync.engines, self.eval_prompts)
         self.eval_answers = [g[0] for g in groups[: self.cfg.logger.log_samples]]

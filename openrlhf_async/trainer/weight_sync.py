@@ -3,9 +3,10 @@ stateless process group (NCCL on GPU, gloo on CPU). The engines take it through 
 (rollout/weight_transfer.py), which keeps the version; they then tag new tokens with it.
 
 A sync sends every weight, or, once the engines hold the trainer's weights of the last sync, only the elements that
-changed since (sparse: --train.weight_sync_sparse_max). Every sync is then checked (verify): each engine's
-fingerprint of the weights it holds must equal, bit for bit, the trainer's of what it sent, and its version the
-new one."""
+changed since (sparse: --train.weight_sync_sparse_max). Every sync is then checked: each engine's fingerprint of the
+weights it holds must equal, bit for bit, the trainer's of what it sent, and its version the new one. The check runs
+while the engines generate on the new weights and ends (settle) before the trainer next trains, evaluates, or syncs:
+a sync that went wrong stops the run before any sample made on its weights is trained on."""
 
 import importlib.util
 import math
@@ -17,7 +18,7 @@ from openrlhf_async.utils.ray_utils import get_all
 
 
 class SyncCheckFailed(RuntimeError):
-    """An engine does not hold the weights the trainer sent after a sync (WeightSync.verify), or with LoRA its
+    """An engine does not hold the weights the trainer sent after a sync (WeightSync.settle), or with LoRA its
     log-probs of the probe differ from the trainer's (WeightSync.check_engines)."""
 
 
@@ -69,7 +70,9 @@ class WeightSync:
         self.sparse_max = cfg.train.weight_sync_sparse_max if cfg.sparse_sync and sparse_supported() else 0.0
         self.holding = set()  # the engines that hold the trainer's baseline (the weights of the last sync)
         self.changed_fraction = None  # of the elements, at the last sync where it was counted
-        self.figures = {}  # the last sync's: sync/sparse, changed_fraction, bytes, check_s
+        self.figures = {}  # the last sync's: sync/sparse, changed_fraction, bytes
+        self.check_wait_s = 0.0  # the seconds settle last waited for a check's end (sync/check_wait_s)
+        self.pending = None  # the last broadcast's check, running while the engines generate (settle ends it)
         self.members = self._connect(self.members)
 
     @property
@@ -81,24 +84,25 @@ class WeightSync:
         """Broadcast the current policy to every engine as the next version (or the given one: a resumed run's);
         returns the seconds until every engine held it (each acknowledges once its device holds every weight, not
         when the broadcast was merely queued). The engines pause meanwhile: "wait" lets running requests finish on
-        the old weights first, "keep" freezes them (partial rollout)."""
+        the old weights first, "keep" freezes them (partial rollout). Its check begins as the engines resume and
+        ends at settle; the check of the sync before ends first."""
         import ray
 
+        self.settle()
         start = time.perf_counter()
         version = self.version + 1 if version is None else version
         members = dict(self.members)
         if self.fleet is not None:
             members = {**ray.get(self.fleet.active.remote()), **ray.get(self.fleet.joining.remote())}
         members = self._broadcast(members, version, pause_mode)
-        if members:
-            self.verify(members, version)
-        if self.check and members:
-            self.check_engines(members, version)
         if not members and self.fleet is None:
             raise RuntimeError("every vLLM engine died: no engine is left to generate with")
         self.version, self.members, self.trained = version, members, False
         if members:
             self.engine_version = version
+            self._begin_check(members, version)
+        if self.check and members:
+            self.check_engines(members, version)
         if self.fleet is not None:
             ray.get(self.fleet.joined.remote(list(members), version))
         return time.perf_counter() - start
@@ -116,53 +120,66 @@ class WeightSync:
         joining = ray.get(self.fleet.joining.remote())
         if not joining:
             return 0
+        self.settle()
         joined = self._broadcast(joining, self.version, "keep")
         self.holding = set()  # this broadcast counted the changed share anew (none): the next sync sends all
-        if joined:
-            self.verify(joined, self.version)
-        if self.check and joined:
-            self.check_engines(joined, self.version)
         self.members.update(joined)
         ray.get(self.fleet.joined.remote(list(joined), self.version))
+        if joined:
+            self._begin_check(joined, self.version)
+        if self.check and joined:
+            self.check_engines(joined, self.version)
         return len(joined)
 
-    def verify(self, members: dict, version: int) -> None:
-        """Each engine's fingerprint of the weights it holds (sync_group.fingerprint) against the trainer's, the ranks'
-        parts added up, and each engine's version against the new one. Exact (position-weighted sums modulo 2^64,
-        in any order: the tolerance is zero), one pass over the weights on each side, both sides at once; a
-        difference stops the run with one line naming the engine, the version and the size of the difference
-        (SyncCheckFailed)."""
+    def settle(self) -> None:
+        """End the last broadcast's check (begun by sync or catch_up): each engine's fingerprint of the weights it
+        holds (sync_group.fingerprint) against the trainer's, the ranks' parts added up, and each engine's version
+        against the one sent. Exact (position-weighted sums modulo 2^64, in any order: the tolerance is zero), one
+        pass over the weights on each side, both sides at once, while the engines generate. A difference stops the
+        run with one line naming the engine, the version and the size of the difference (SyncCheckFailed). Called
+        before the policy trains on samples of those weights (to_train), before an evaluation, before the next
+        broadcast and at the run's end: the ranks take their fingerprints before any later call changes their weights
+        (an actor runs one caller's calls in order), and the engines' weights change only at a broadcast.
+        sync/check_wait_s: the seconds spent here, waiting for the check's end."""
         import ray
 
+        if self.pending is None:
+            return
+        (members, version, trainer, held, versions), self.pending = self.pending, None
         start = time.perf_counter()
-        ids = list(members)
-        trainer = self.policy.call("weights_fingerprint")
-        held = [members[i].fingerprint.remote() for i in ids]
-        versions = [members[i].get_weight_version.remote() for i in ids]
         trainer = add_fingerprints(get_all(trainer, self.timeout))
         held, versions = get_all(held, self.timeout), ray.get(versions, timeout=self.timeout)
-        for i, fingerprint, held_version in zip(ids, held, versions):
+        for i, fingerprint, held_version in zip(members, held, versions):
             differ = fingerprint_differences(fingerprint, trainer)
             if differ or held_version != version:
                 self.holding = set()  # a sync after this one (a test's, a caller's that recovers) sends every weight
-                how = self._difference(members[i], differ)
+                how = self._difference(members[i], differ, len(trainer))
                 raise SyncCheckFailed(f"weight sync check: engine {i} does not hold the trainer's weights of version "
                                       f"{version} (it holds version {held_version}): {how}. The run stops: the engines "
                                       "would generate with weights the trainer does not have")
-        self.figures["sync/check_s"] = time.perf_counter() - start
+        self.check_wait_s = time.perf_counter() - start
 
-    def _difference(self, engine, differ: list) -> str:
-        """How far an engine's weights are from the trainer's, in the groups whose fingerprints differ: the sum of
-        |Σ engine's values - Σ trainer's| over them (a second pass, with the values summed, on both sides)."""
+    def _begin_check(self, members: dict, version: int) -> None:
+        """Ask both sides for their fingerprints (and the engines for their versions) now; settle compares them."""
+        self.pending = (dict(members), version, self.policy.call("weights_fingerprint"),
+                        [e.fingerprint.remote() for e in members.values()],
+                        [e.get_weight_version.remote() for e in members.values()])
+
+    def _difference(self, engine, differ: list, of: int) -> str:
+        """Which of the `of` weight groups differ between an engine and the trainer, and by how much: the sum of
+        |Σ engine's values - Σ trainer's| over them (a second pass, with the values summed, on both sides), where
+        the policy has not trained since the sync (a batch of older weights may have, fully async)."""
         if not differ:
             return "its weights are the sent ones"
-        trainer = add_fingerprints(get_all(self.policy.call("weights_fingerprint", True), self.timeout))
-        held = get_all([engine.fingerprint.remote(True)], self.timeout)[0]
-        size = sum(abs(held.get(g, [0, 0.0])[-1] - trainer.get(g, [0, 0.0])[-1]) for g in differ)
         groups = ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else "")
         sent = "only the elements that changed" if self.figures.get("sync/sparse") else "every weight"
-        return (f"{len(differ)} of {len(trainer)} weight groups differ ({groups}), their values' sums by {size:.3g} "
-                f"in all (the sync sent {sent})")
+        size = ""
+        if not self.trained:
+            trainer = add_fingerprints(get_all(self.policy.call("weights_fingerprint", True), self.timeout))
+            held = get_all([engine.fingerprint.remote(True)], self.timeout)[0]
+            total = sum(abs(held.get(g, [0, 0.0])[-1] - trainer.get(g, [0, 0.0])[-1]) for g in differ)
+            size = f", their values' sums by {total:.3g} in all"
+        return f"{len(differ)} of {of} weight groups differ ({groups}){size} (the sync sent {sent})"
 
     def check_engines(self, members: dict, version: int) -> None:
         """The engines' greedy continuations of the fixed probe (PolicyActor.probe_ids), scored by the trainer: each
@@ -209,9 +226,14 @@ class WeightSync:
                 + (", and its tokens carry another version" if engine in stale else "")
                 + "): the engines do not run the trained weights")
 
-    def to_train(self) -> None:
-        """Before a step trains: the policy leaves the last sync's weights (the engines have devices of their own);
-        the hybrid engine's engines sleep too (trainer/hybrid.py)."""
+    def to_train(self, newest_version: int = None) -> None:
+        """Before a step trains on samples whose newest tokens are of newest_version (None: not known): the last
+        broadcast's check ends first (settle) if those samples may hold tokens of its weights; a batch made on older
+        weights (fully async) trains meanwhile, and the check ends at the next broadcast at the latest. The policy then
+        leaves the last sync's weights (the engines have devices of their own); the hybrid engine's engines sleep too
+        (trainer/hybrid.py)."""
+        if self.pending is not None and (newest_version is None or newest_version >= self.pending[1]):
+            self.settle()
         self.trained = True
 
     def to_generate(self) -> None:
@@ -239,7 +261,7 @@ class WeightSync:
         return self._pause(members, pause_mode)
 
     def _begin_attempt(self) -> None:
-        """With LoRA the fingerprint of what rank 0 sends starts afresh: verify compares the completed attempt's."""
+        """With LoRA the fingerprint of what rank 0 sends starts afresh: the check compares the completed attempt's."""
         if self.check:
             get_all(self.policy.call("begin_sync"), self.timeout)
 

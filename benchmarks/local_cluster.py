@@ -1,7 +1,7 @@
 """A multi-node Ray cluster on one machine (several raylets on loopback, Ray's own cluster_utils.Cluster), and the
 faults that the elasticity tests and benchmarks/soak.py inject into a run on it: an engine, a node or a policy rank
-killed, a process frozen (SIGSTOP: a hang), a node added. The run itself is the real one (train_async's main, in a
-thread of the process that holds the cluster)."""
+killed, a node added. The run itself is the real one (train_async's main, in a thread of the process that holds
+the cluster). Test and benchmark code: the package does not use it."""
 
 import os
 import signal
@@ -81,12 +81,6 @@ class LocalCluster:
         """SIGKILL one live actor's process (and its children), as the OOM killer would."""
         actor = self.actors(class_name)[index]
         _signal_tree(actor["pid"], signal.SIGKILL)
-        return actor
-
-    def freeze_actor(self, class_name: str, index: int = 0) -> dict:
-        """SIGSTOP one live actor's process and its children: it hangs (a stuck driver, a wedged kernel)."""
-        actor = self.actors(class_name)[index]
-        _signal_tree(actor["pid"], signal.SIGSTOP)
         return actor
 
     def shutdown(self) -> None:
